@@ -1,0 +1,16 @@
+"""fused_attn: attention for PyTorch on cuDNN frontend SDPA graphs, with score_mods written once."""
+
+from .functional import dot_product_attention
+from .module import DotProductAttention
+from .varlen import AuxRequest, doc_packed_attn, varlen_attn
+from . import graph_cache
+
+__all__ = [
+    "DotProductAttention",
+    "dot_product_attention",
+    "varlen_attn",
+    "AuxRequest",
+    "doc_packed_attn",
+    "graph_cache",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,133 @@
+"""The contract between a score modifier and the attention backends.
+
+A `ScoreMod` is what `dot_product_attention(score_mod=...)` receives once it has been
+normalized (`as_score_mod`). The backends use only the members below:
+
+* the reference backend calls `eager(...)` on fp32 score blocks;
+* the cuDNN backend puts `cache_key` in its graph key, creates one graph input per entry of
+  `cudnn_operands(...)` (binding the same torch tensors at every execute), and calls
+  `lower_forward` / `lower_backward` from inside the frontend's score_mod callbacks.
+
+Scores the modifier sees are *scaled* (softmax_scale already applied), fp32, and indexed by
+(b, h, q_idx, kv_idx) within the current sequence; q_len / kv_len are that sequence's lengths.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Dict, Hashable, Optional
+
+import torch
+
+#: Names of the per-sequence length operands the *backend* supplies to the lowering.
+#: For packed/padded problems they are the (B, 1, 1, 1) int32 `seq_len` graph tensors given to
+#: sdpa; for plain dense problems they are pass-by-value fp32 scalars holding Sq and Skv.
+LENGTH_OPERANDS = ("q_len", "kv_len")
+
+
+class ScoreMod(abc.ABC):
+    """A score modifier usable by every backend. Subclasses: traced mods, raw cuDNN callbacks."""
+
+    #: Short human-readable name ("softcap", "compose(softcap, causal)", ...), for errors and tables.
+    name: str = "score_mod"
+
+    @property
+    @abc.abstractmethod
+    def cache_key(self) -> Hashable:
+        """Structural key: equal for the same math and parameter *kinds*, different otherwise.
+
+        Never contains float parameter values (those are bound per call), never id() or
+        source text. Tensor parameters contribute dtype and rank, not values.
+        """
+
+    @property
+    def uses_lengths(self) -> bool:
+        """True if the expression reads q_len / kv_len (the backend then supplies them)."""
+        return False
+
+    @property
+    def has_reference(self) -> bool:
+        """True if `eager` is available (raw cuDNN callbacks without `reference=` have none)."""
+        return True
+
+    @property
+    def has_backward(self) -> bool:
+        """True if `lower_backward` can produce the cuDNN backward callback."""
+        return True
+
+    def check(self, *, device: torch.device, batch: int, heads: int, seqlen_q: int, seqlen_kv: int) -> None:
+        """Validate tensor parameters against the problem; raise ValueError/TypeError naming them."""
+
+    def scalars(self) -> Dict[str, float]:
+        """Float parameters by name (values bound per call; changing them never rebuilds)."""
+        return {}
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Tensor parameters by name (graph inputs bound per call)."""
+        return {}
+
+    @abc.abstractmethod
+    def eager(
+        self,
+        score: torch.Tensor,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q_idx: torch.Tensor,
+        kv_idx: torch.Tensor,
+        q_len: torch.Tensor,
+        kv_len: torch.Tensor,
+    ) -> torch.Tensor:
+        """Apply the modifier with torch ops (reference semantics).
+
+        score: fp32, broadcastable against the int64 index tensors b, h, q_idx, kv_idx and the
+        int64 per-sequence lengths q_len, kv_len (e.g. score (B, H, Sq_blk, Skv),
+        b (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, Sq_blk, 1), kv_idx (1, 1, 1, Skv),
+        q_len / kv_len (B, 1, 1, 1)). Masked positions are returned as -inf. Must be
+        differentiable by torch.autograd with respect to score.
+        """
+
+    def cudnn_operands(self) -> Dict[str, torch.Tensor]:
+        """Named 4-D torch tensors the cuDNN graph takes as extra inputs, bound at every execute.
+
+        Scalars: CPU fp32 tensors of shape (1, 1, 1, 1) (pass-by-value). Tensor parameters:
+        4-D views on the device, size 1 on the axes they are not indexed by (for instance
+        slopes[h] -> (1, H, 1, 1)). Dims, strides, dtypes and which are CPU go into the
+        graph key; values never do. The backend adds LENGTH_OPERANDS itself.
+        """
+        return {}
+
+    @abc.abstractmethod
+    def lower_forward(self, graph: Any, score: Any, operands: Dict[str, Any], memo: Dict[Any, Any]) -> Any:
+        """Emit the forward score_mod into a cuDNN graph; return the modified score tensor.
+
+        graph: the object the frontend hands the score_mod callback; score: its score tensor;
+        operands: graph tensors for every `cudnn_operands()` name plus LENGTH_OPERANDS;
+        memo: a dict private to this graph build, shared with `lower_backward` (the backward
+        graph re-runs the forward callback first, so intermediates can be reused).
+        """
+
+    def lower_backward(self, graph: Any, dscore: Any, operands: Dict[str, Any], memo: Dict[Any, Any]) -> Any:
+        """Emit d(loss)/d(score) given dscore = d(loss)/d(modified score); see lower_forward."""
+        raise NotImplementedError(f"score_mod {self.name!r} has no cuDNN backward")
+
+    def __repr__(self) -> str:
+        return f"<ScoreMod {self.name}>"
+
+
+def describe_operands(operands: Dict[str, torch.Tensor]) -> tuple:
+    """Structural description of `cudnn_operands()` for graph keys: no values, no ids."""
+    return tuple(
+        sorted(
+            (name, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type == "cpu")
+            for name, t in operands.items()
+        )
+    )
+
+
+def optional_float(value: Optional[float]) -> Optional[float]:
+    """Normalize an optional float parameter (rejects bools and non-numbers)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a float, got {value!r} ({type(value).__name__})")
+    return float(value)
