@@ -96,6 +96,23 @@ class ScoreMod(abc.ABC):
         """
         return {}
 
+    @property
+    def needs_host_lengths(self) -> bool:
+        """True if the cuDNN lowering needs `length_operands` (q_len/kv_len folded on the host).
+
+        Only dense problems without padding can supply them; for packed (thd) or padded batches
+        the backend should refuse the cuDNN path (NotImplementedError naming backend='reference').
+        """
+        return False
+
+    def length_operands(self, q_len: int, kv_len: int) -> Dict[str, torch.Tensor]:
+        """Extra CPU fp32 (1, 1, 1, 1) pass-by-value operands derived from dense Sq / Skv.
+
+        Dense problems: the backend adds these to the `cudnn_operands()` graph inputs (values
+        bound per call, names/shapes in the graph key like the others).
+        """
+        return {}
+
     @abc.abstractmethod
     def lower_forward(self, graph: Any, score: Any, operands: Dict[str, Any], memo: Dict[Any, Any]) -> Any:
         """Emit the forward score_mod into a cuDNN graph; return the modified score tensor.

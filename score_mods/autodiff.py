@@ -1,0 +1,77 @@
+"""Reverse-mode differentiation of a score_mod DAG with respect to `score`.
+
+`grad_dag(root)` returns a new DAG for d(loss)/d(score) in terms of the leaf `grad`
+(= d(loss)/d(root)) and forward nodes, so the cuDNN lowering can reuse forward intermediates
+from its memo and the eager evaluator can check it against torch.autograd. Masks become
+selects of the incoming gradient: d/dx where(c, x, y) = where(c, g, 0).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+from .expr import Node, const, topo_order
+
+GRAD = Node("grad")
+_ZERO = const(0.0)
+
+
+def depends_on_score(root: Node) -> Dict[Node, bool]:
+    dep: Dict[Node, bool] = {}
+    for n in topo_order(root):
+        dep[n] = n.op == "score" or any(dep[a] for a in n.args)
+    return dep
+
+
+def _sel(c: Node, x: Node, y: Node) -> Node:
+    return Node("where", (c, x, y))
+
+
+def _local_grads(n: Node, g: Node) -> List[Node]:
+    """Gradient contribution to each argument of n (None for boolean args)."""
+    op, a = n.op, n.args
+    if op == "add":
+        return [g, g]
+    if op == "sub":
+        return [g, Node("neg", (g,))]
+    if op == "neg":
+        return [Node("neg", (g,))]
+    if op == "mul":
+        return [Node("mul", (g, a[1])), Node("mul", (g, a[0]))]
+    if op == "div":
+        gd = Node("div", (g, a[1]))
+        return [gd, Node("neg", (Node("mul", (gd, n)),))]
+    if op == "tanh":
+        return [Node("tanh_bwd", (g, a[0]))]
+    if op == "sigmoid":
+        return [Node("sigmoid_bwd", (g, a[0]))]
+    if op == "exp":
+        return [Node("mul", (g, n))]
+    if op == "log":
+        return [Node("div", (g, a[0]))]
+    if op == "sqrt":
+        return [Node("mul", (Node("div", (g, n)), const(0.5)))]
+    if op == "abs":
+        return [_sel(Node("ge", (a[0], _ZERO), dtype="b"), g, Node("neg", (g,)))]
+    if op in ("minimum", "maximum"):
+        first = Node("le" if op == "minimum" else "ge", a, dtype="b")
+        return [_sel(first, g, _ZERO), _sel(first, _ZERO, g)]
+    if op == "where":
+        return [None, _sel(a[0], g, _ZERO), _sel(a[0], _ZERO, g)]
+    raise NotImplementedError(f"no derivative rule for score_mod op {op!r}")
+
+
+def grad_dag(root: Node) -> Node:
+    """d(loss)/d(score) as a DAG over GRAD and forward nodes (const 0 if score is unused)."""
+    dep = depends_on_score(root)
+    if not dep[root]:
+        return _ZERO
+    acc: Dict[Node, Node] = {root: GRAD}
+    for n in reversed(topo_order(root)):
+        if n not in acc or n.op == "score" or not n.args:
+            continue
+        for arg, ga in zip(n.args, _local_grads(n, acc[n])):
+            if ga is None or not dep[arg]:
+                continue
+            acc[arg] = Node("add", (acc[arg], ga)) if arg in acc else ga
+    return acc[Node("score")]

@@ -1,0 +1,213 @@
+"""The score_mod library: small named factories returning ScoreMods, and `compose`.
+
+Masks (masked scores become -inf; i = q_idx, j = kv_idx within the sequence):
+
+    causal()               j <= i                       q\\k 0 1 2 3      (Sq = Skv = 4)
+                                                        0   x . . .
+                                                        1   x x . .
+    causal_bottom_right()  j <= i + kv_len - q_len      (Sq = 2, Skv = 4: row 0 sees 0..2)
+    sliding_window(l, r)   -l <= j - (i + shift) <= r   (shift = kv_len - q_len if bottom_right
+                                                         else 0; -1 = unbounded side)
+    document_mask(ids)     ids[i] == ids[j]
+    padding_mask()         i < q_len and j < kv_len
+
+Window sizes and softcap's cap are runtime scalars: new values never rebuild a cuDNN graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict
+
+import torch
+
+from . import expr
+from .base import ScoreMod
+from .expr import Node, TensorParam, kv_len, q_len, tanh, where
+from .trace import ParamSpec, TracedMod, score_mod
+
+_NEG_INF = -math.inf
+
+
+@score_mod(name="causal")
+def _causal(score, b, h, q_idx, kv_idx):
+    return where(kv_idx <= q_idx, score, _NEG_INF)
+
+
+@score_mod(name="causal_bottom_right")
+def _causal_br(score, b, h, q_idx, kv_idx):
+    return where(kv_idx <= q_idx + kv_len() - q_len(), score, _NEG_INF)
+
+
+@score_mod(name="softcap")
+def _softcap(score, b, h, q_idx, kv_idx, cap=30.0):
+    return cap * tanh(score / cap)
+
+
+@score_mod(name="post_scale_bias")
+def _bias(score, b, h, q_idx, kv_idx, bias=TensorParam("float")):
+    return score + bias[b, h, q_idx, kv_idx]
+
+
+@score_mod(name="alibi")
+def _alibi(score, b, h, q_idx, kv_idx, slopes=TensorParam("float")):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+
+@score_mod(name="document_mask")
+def _doc1(score, b, h, q_idx, kv_idx, doc_ids=TensorParam("int")):
+    return where(doc_ids[q_idx] == doc_ids[kv_idx], score, _NEG_INF)
+
+
+@score_mod(name="document_mask")
+def _doc2(score, b, h, q_idx, kv_idx, doc_ids=TensorParam("int")):
+    return where(doc_ids[b, q_idx] == doc_ids[b, kv_idx], score, _NEG_INF)
+
+
+@score_mod(name="padding_mask")
+def _padding(score, b, h, q_idx, kv_idx):
+    return where((q_idx < q_len()) & (kv_idx < kv_len()), score, _NEG_INF)
+
+
+def causal() -> TracedMod:
+    """Top-left causal mask: query i attends keys j <= i."""
+    return _causal
+
+
+def causal_bottom_right() -> TracedMod:
+    """Bottom-right causal mask: j <= i + kv_len - q_len (the last query sees every key)."""
+    return _causal_br
+
+
+def padding_mask() -> TracedMod:
+    """Mask keys/queries past the sequence's lengths: i < q_len and j < kv_len."""
+    return _padding
+
+
+def softcap(cap: float = 30.0) -> TracedMod:
+    """cap * tanh(score / cap); cap > 0 is a runtime scalar."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0 or math.isinf(cap):
+        raise ValueError(f"softcap: cap must be a finite float > 0, got {cap!r}")
+    return _softcap(cap=float(cap))
+
+
+def _window_size(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"sliding_window: {name} must be an int (-1 = unbounded), got {v!r} ({type(v).__name__})")
+    if v < -1:
+        raise ValueError(f"sliding_window: {name} must be >= -1 (-1 = unbounded), got {v}")
+    return v
+
+
+def sliding_window(left: int, right: int, bottom_right: bool = False) -> TracedMod:
+    """Keep keys j with -left <= j - (i + shift) <= right (flash-attention window_size=(left, right)).
+
+    shift = kv_len - q_len if bottom_right else 0; -1 leaves that side unbounded. left/right
+    are runtime scalars (changing them keeps the graph); which sides are bounded is structure.
+    """
+    left, right = _window_size("left", left), _window_size("right", right)
+    if not isinstance(bottom_right, bool):
+        raise TypeError(f"sliding_window: bottom_right must be a bool, got {bottom_right!r}")
+
+    def body(score, b, h, q_idx, kv_idx, left=0.0, right=0.0):
+        d = kv_idx - q_idx
+        if bottom_right:
+            d = d - (kv_len() - q_len())
+        out = score
+        if right_bounded:
+            out = where(d <= right, out, _NEG_INF)
+        if left_bounded:
+            out = where(d >= -left, out, _NEG_INF)
+        return out
+
+    left_bounded, right_bounded = left != -1, right != -1
+    body.__name__ = "sliding_window"
+    mod = score_mod(body)
+    return mod(left=float(max(left, 0)), right=float(max(right, 0)))
+
+
+def _check_tensor(fn: str, name: str, t: Any, ranks: tuple, floating: bool) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in ranks:
+        raise ValueError(f"{fn}: {name} must have {' or '.join(map(str, ranks))} dims, got shape {tuple(t.shape)}")
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{fn}: {name} must have a floating dtype, got {t.dtype}")
+    if not floating and t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: {name} must be int32 or int64, got {t.dtype}")
+    return t
+
+
+def post_scale_bias(bias: torch.Tensor) -> TracedMod:
+    """score + bias[b, h, q_idx, kv_idx]; bias (B|1, H|1, Sq, Skv), floating, on the inputs' device."""
+    return _bias(bias=_check_tensor("post_scale_bias", "bias", bias, (4,), True))
+
+
+def alibi(slopes: torch.Tensor) -> TracedMod:
+    """score + slopes[h] * (kv_idx - q_idx); slopes (H,) floating (see `alibi_slopes`)."""
+    return _alibi(slopes=_check_tensor("alibi", "slopes", slopes, (1,), True))
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The standard geometric ALiBi slopes (H,) fp32: 2^(-8 k / n) for the nearest power of two n."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"alibi_slopes: num_heads must be an int >= 1, got {num_heads!r}")
+
+    def pow2(n: int) -> list:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (k + 1) for k in range(n)]
+
+    n = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = pow2(n) + pow2(2 * n)[0::2][: num_heads - n]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def document_mask(doc_ids: torch.Tensor) -> TracedMod:
+    """Attend iff doc_ids[q_idx] == doc_ids[kv_idx]; doc_ids (S,) or (B, S) int32/int64 (Sq == Skv == S)."""
+    t = _check_tensor("document_mask", "doc_ids", doc_ids, (1, 2), False)
+    return (_doc1 if t.dim() == 1 else _doc2)(doc_ids=t)
+
+
+# --------------------------------------------------------------------------- composition
+
+def _prefix_dag(root: Node, prefix: str, score: Node) -> Node:
+    done: Dict[Node, Node] = {}
+    for n in expr.topo_order(root):
+        if n.op == "score":
+            out = score
+        elif n.op == "param":
+            out = Node("param", attr=prefix + n.attr)
+        elif n.op == "tparam":
+            out = Node("tparam", attr=(prefix + n.attr[0], n.attr[1]))
+        else:
+            out = Node(n.op, tuple(done[a] for a in n.args), n.attr, n.dtype) if n.args else n
+        done[n] = out
+    return done[root]
+
+
+def compose(*mods: ScoreMod) -> ScoreMod:
+    """One ScoreMod applying `mods` left to right: compose(softcap(30), causal()).
+
+    Traced mods fuse into one DAG (one set of cuDNN ops); parameters are renamed
+    "m<i>_<name>" (i = position) so parts never collide. Raw cuDNN callbacks are chained.
+    """
+    if not mods:
+        raise ValueError("compose() needs at least one score_mod")
+    for i, m in enumerate(mods):
+        if not isinstance(m, ScoreMod):
+            raise TypeError(f"compose(): argument {i} is {type(m).__name__}, expected a ScoreMod")
+    if len(mods) == 1:
+        return mods[0]
+    name = f"compose({', '.join(m.name for m in mods)})"
+    if not all(isinstance(m, TracedMod) for m in mods):
+        from .raw import ChainMod
+
+        return ChainMod(name, mods)
+    root, specs, values = Node("score"), {}, {}
+    for i, m in enumerate(mods):
+        prefix = f"m{i}_"
+        root = _prefix_dag(m.root, prefix, root)
+        for p, s in m.specs.items():
+            specs[prefix + p] = ParamSpec(prefix + p, s.kind, s.tkind, s.default_value)
+            values[prefix + p] = m._values.get(p)
+    return TracedMod(name, root, specs, values)

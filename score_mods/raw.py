@@ -1,0 +1,245 @@
+"""Raw cuDNN callbacks (the expert path, Transformer Engine style) and `as_score_mod`.
+
+    def my_fprop(graph, score, tensors):           # tensors: name -> cuDNN graph tensor
+        return graph.mul(score, tensors["scale"])
+
+    mod = raw_callback(my_fprop, bprop=my_bprop, tensors={"scale": torch.tensor(0.5)},
+                       reference=lambda s, b, h, q, k: s * 0.5)
+
+CPU scalar tensors in `tensors` / `bprop_tensors` become pass-by-value (1, 1, 1, 1) operands;
+device tensors must be 4-D (B|1, H|1, Sq|1, Skv|1). The cache key of a plain module-level
+function is its module + qualname; anything else (lambda, closure, nested function, bound
+method, callable object) must give `cache_key=`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Callable, Dict, Hashable, Optional
+
+import torch
+
+from .base import ScoreMod
+
+
+def _function_key(fn: Callable, what: str) -> Hashable:
+    how = f"pass cache_key=<a hashable value that changes whenever the {what}'s math changes>"
+    if inspect.ismethod(fn):
+        raise TypeError(f"{what} {fn!r} is a bound method, which has no stable cache key; {how}")
+    if not inspect.isfunction(fn):
+        raise TypeError(f"{what} {fn!r} is not a plain function, so it has no stable cache key; {how}")
+    if fn.__name__ == "<lambda>" or "<locals>" in fn.__qualname__ or fn.__closure__:
+        raise TypeError(f"{what} {fn.__qualname__!r} is a lambda, closure or nested function; {how}")
+    module = sys.modules.get(fn.__module__)
+    if getattr(module, fn.__qualname__, None) is not fn:
+        raise TypeError(f"{what} {fn.__qualname__!r} is not reachable as {fn.__module__}.{fn.__qualname__}; {how}")
+    return (fn.__module__, fn.__qualname__)
+
+
+def _operand(name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"raw callback tensor {name!r} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type == "cpu":
+        if t.numel() != 1:
+            raise ValueError(f"raw callback tensor {name!r}: CPU tensors must be scalars (pass-by-value), got shape {tuple(t.shape)}")
+        return t.reshape(1, 1, 1, 1)
+    if t.dim() != 4:
+        raise ValueError(f"raw callback tensor {name!r} must be 4-D (B|1, H|1, Sq|1, Skv|1), got shape {tuple(t.shape)}")
+    return t
+
+
+def _tensor_dict(arg: str, d: Optional[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    if d is None:
+        return {}
+    if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+        raise TypeError(f"{arg} must be a dict of name -> torch.Tensor, got {type(d).__name__}")
+    return {k: _operand(k, v) for k, v in d.items()}
+
+
+class RawCallbackMod(ScoreMod):
+    """A score_mod given as cuDNN callbacks `fn(graph, score, tensors) -> tensor`."""
+
+    def __init__(self, fn: Callable, *, bprop: Optional[Callable] = None, tensors=None, bprop_tensors=None,
+                 cache_key: Optional[Hashable] = None, reference: Optional[Callable] = None, name: Optional[str] = None):
+        if not callable(fn):
+            raise TypeError(f"raw_callback: fn must be callable, got {type(fn).__name__}")
+        if bprop is not None and not callable(bprop):
+            raise TypeError(f"raw_callback: bprop must be callable or None, got {type(bprop).__name__}")
+        if reference is not None and not callable(reference):
+            raise TypeError(f"raw_callback: reference must be callable or None, got {type(reference).__name__}")
+        if cache_key is None:
+            user_key = (_function_key(fn, "score_mod callback"), None if bprop is None else _function_key(bprop, "score_mod_bprop callback"))
+        else:
+            try:
+                hash(cache_key)
+            except TypeError:
+                raise TypeError(f"raw_callback: cache_key must be hashable, got {type(cache_key).__name__}") from None
+            user_key = cache_key
+        self.fn, self.bprop, self.reference = fn, bprop, reference
+        self.fwd_tensors = _tensor_dict("tensors", tensors)
+        self.bwd_tensors = _tensor_dict("bprop_tensors", bprop_tensors)
+        self.name = name or getattr(fn, "__name__", "raw_callback")
+        self._key = ("raw", user_key, bprop is not None, tuple(sorted(self.fwd_tensors)), tuple(sorted(self.bwd_tensors)))
+
+    @property
+    def cache_key(self) -> Hashable:
+        return self._key
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None
+
+    @property
+    def has_backward(self) -> bool:
+        return self.bprop is not None
+
+    def check(self, *, device, batch, heads, seqlen_q, seqlen_kv) -> None:
+        device = torch.device(device)
+        for name, t in {**self.fwd_tensors, **self.bwd_tensors}.items():
+            if t.device.type != "cpu" and t.device.type != device.type:
+                raise ValueError(f"score_mod {self.name!r}: tensor {name!r} is on {t.device}, the inputs on {device}")
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        return {**{f"fwd_{k}": v for k, v in self.fwd_tensors.items()}, **{f"bwd_{k}": v for k, v in self.bwd_tensors.items()}}
+
+    def cudnn_operands(self) -> Dict[str, torch.Tensor]:
+        return self.tensors()
+
+    def eager(self, score, b, h, q_idx, kv_idx, q_len, kv_len) -> torch.Tensor:
+        if self.reference is None:
+            raise NotImplementedError(
+                f"raw cuDNN score_mod {self.name!r} has no eager reference; pass reference=fn(score, b, h, q_idx, kv_idx) "
+                "to raw_callback / as_score_mod to use the reference backend or numerical checks"
+            )
+        return self.reference(score, b, h, q_idx, kv_idx)
+
+    def lower_forward(self, graph, score, operands, memo):
+        return self.fn(graph, score, {k: operands[f"fwd_{k}"] for k in self.fwd_tensors})
+
+    def lower_backward(self, graph, dscore, operands, memo):
+        if self.bprop is None:
+            raise NotImplementedError(f"raw cuDNN score_mod {self.name!r} has no bprop; pass bprop= (score_mod_bprop=) for training")
+        return self.bprop(graph, dscore, {k: operands[f"bwd_{k}"] for k in self.bwd_tensors})
+
+
+def raw_callback(fn: Callable, bprop: Optional[Callable] = None, tensors: Optional[Dict[str, torch.Tensor]] = None,
+                 bprop_tensors: Optional[Dict[str, torch.Tensor]] = None, cache_key: Optional[Hashable] = None,
+                 reference: Optional[Callable] = None) -> RawCallbackMod:
+    """Wrap a raw cuDNN callback `fn(graph, score, tensors)` (and optional bprop) as a ScoreMod."""
+    return RawCallbackMod(fn, bprop=bprop, tensors=tensors, bprop_tensors=bprop_tensors, cache_key=cache_key, reference=reference)
+
+
+def as_score_mod(obj: Any, *, tensors=None, bprop=None, bprop_tensors=None, cache_key=None, reference=None) -> Optional[ScoreMod]:
+    """Normalize what `dot_product_attention(score_mod=...)` receives into a ScoreMod (None stays None).
+
+    A ScoreMod passes through; a callable with bprop/tensors/bprop_tensors/cache_key is a raw
+    cuDNN callback; a plain `(score, b, h, q_idx, kv_idx) -> score` callable is traced.
+    """
+    raw_args = {"tensors": tensors, "bprop": bprop, "bprop_tensors": bprop_tensors, "cache_key": cache_key}
+    given = [k for k, v in raw_args.items() if v is not None]
+    if obj is None or isinstance(obj, ScoreMod):
+        if given or reference is not None:
+            what = "no score_mod" if obj is None else f"the ScoreMod {obj.name!r}"
+            raise ValueError(f"{', '.join(given + (['reference'] if reference is not None else []))} given with {what}; "
+                             "they only apply to raw cuDNN callbacks")
+        return obj
+    if not callable(obj):
+        raise TypeError(f"score_mod must be a ScoreMod, a function (score, b, h, q_idx, kv_idx) -> score, or a raw "
+                        f"cuDNN callback; got {type(obj).__name__}")
+    if given:
+        return raw_callback(obj, reference=reference, **raw_args)
+    try:
+        nparams = len(inspect.signature(obj).parameters)
+    except (TypeError, ValueError):
+        nparams = -1
+    if nparams == 3:
+        raise TypeError(
+            f"score_mod {getattr(obj, '__name__', obj)!r} takes 3 arguments like a raw cuDNN callback (graph, score, "
+            "tensors); wrap it with score_mods.raw_callback(fn, bprop=..., cache_key=...) or pass score_mod_bprop="
+        )
+    from .trace import score_mod
+
+    try:
+        mod = score_mod(obj)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"score_mod {getattr(obj, '__name__', obj)!r} could not be traced ({exc}). Write it with operators and the "
+            "score_mods namespace (score_mods.tanh, exp, where(cond, score, -inf), ...) instead of torch/math calls "
+            "or Python if, or pass a raw cuDNN callback with score_mod_bprop="
+        ) from exc
+    if reference is not None:
+        raise ValueError("reference= only applies to raw cuDNN callbacks; a traced score_mod is its own reference")
+    return mod
+
+
+class ChainMod(ScoreMod):
+    """Several ScoreMods applied left to right without fusing (used when a part is a raw callback)."""
+
+    def __init__(self, name: str, parts):
+        self.name, self.parts = name, tuple(parts)
+
+    def _ns(self, i: int, d: Dict[str, Any]) -> Dict[str, Any]:
+        return {f"m{i}_{k}": v for k, v in d.items()}
+
+    @property
+    def cache_key(self) -> Hashable:
+        return ("chain",) + tuple(p.cache_key for p in self.parts)
+
+    @property
+    def uses_lengths(self) -> bool:
+        return any(p.uses_lengths for p in self.parts)
+
+    @property
+    def has_reference(self) -> bool:
+        return all(p.has_reference for p in self.parts)
+
+    @property
+    def has_backward(self) -> bool:
+        return all(p.has_backward for p in self.parts)
+
+    @property
+    def needs_host_lengths(self) -> bool:
+        return any(getattr(p, "needs_host_lengths", False) for p in self.parts)
+
+    def check(self, **kw) -> None:
+        for p in self.parts:
+            p.check(**kw)
+
+    def scalars(self) -> Dict[str, float]:
+        return {k: v for i, p in enumerate(self.parts) for k, v in self._ns(i, p.scalars()).items()}
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        return {k: v for i, p in enumerate(self.parts) for k, v in self._ns(i, p.tensors()).items()}
+
+    def cudnn_operands(self) -> Dict[str, torch.Tensor]:
+        return {k: v for i, p in enumerate(self.parts) for k, v in self._ns(i, p.cudnn_operands()).items()}
+
+    def length_operands(self, q_len: int, kv_len: int) -> Dict[str, torch.Tensor]:
+        out = {}
+        for i, p in enumerate(self.parts):
+            if hasattr(p, "length_operands"):
+                out.update(self._ns(i, p.length_operands(q_len, kv_len)))
+        return out
+
+    def _part_operands(self, i: int, operands: Dict[str, Any]) -> Dict[str, Any]:
+        pre = f"m{i}_"
+        sub = {k[len(pre):]: v for k, v in operands.items() if k.startswith(pre)}
+        sub.update({k: operands[k] for k in ("q_len", "kv_len") if k in operands})
+        return sub
+
+    def eager(self, score, b, h, q_idx, kv_idx, q_len, kv_len) -> torch.Tensor:
+        for p in self.parts:
+            score = p.eager(score, b, h, q_idx, kv_idx, q_len, kv_len)
+        return score
+
+    def lower_forward(self, graph, score, operands, memo):
+        for i, p in enumerate(self.parts):
+            score = p.lower_forward(graph, score, self._part_operands(i, operands), memo.setdefault(("part", i), {}))
+        return score
+
+    def lower_backward(self, graph, dscore, operands, memo):
+        for i in reversed(range(len(self.parts))):
+            p = self.parts[i]
+            dscore = p.lower_backward(graph, dscore, self._part_operands(i, operands), memo.setdefault(("part", i), {}))
+        return dscore

@@ -1,0 +1,108 @@
+"""Raw cuDNN callbacks, chaining them with traced mods, and as_score_mod normalization."""
+
+import pytest
+import torch
+
+import score_mods as sm
+from score_mods.raw import ChainMod
+
+
+def scale_fprop(graph, score, tensors):
+    return graph.mul(score, tensors["s"])
+
+
+def scale_bprop(graph, dscore, tensors):
+    return graph.mul(dscore, tensors["s"])
+
+
+class Rec:
+    def __init__(self):
+        self.calls = []
+
+    def mul(self, a, b):
+        self.calls.append(("mul", a, b))
+        return ("mul", a, b)
+
+
+def test_raw_callback_key_operands_and_lowering():
+    mod = sm.raw_callback(scale_fprop, bprop=scale_bprop, tensors={"s": torch.tensor(0.5)},
+                          bprop_tensors={"s": torch.tensor(0.5)})
+    assert mod.cache_key == sm.raw_callback(scale_fprop, bprop=scale_bprop, tensors={"s": torch.tensor(2.0)},
+                                            bprop_tensors={"s": torch.tensor(2.0)}).cache_key
+    ops = mod.cudnn_operands()
+    assert set(ops) == {"fwd_s", "bwd_s"} and ops["fwd_s"].shape == (1, 1, 1, 1)
+    g = Rec()
+    assert mod.lower_forward(g, "S", {"fwd_s": "A", "bwd_s": "B"}, {}) == ("mul", "S", "A")
+    assert mod.lower_backward(g, "dS", {"fwd_s": "A", "bwd_s": "B"}, {}) == ("mul", "dS", "B")
+    assert mod.has_backward and not mod.has_reference
+    with pytest.raises(NotImplementedError, match="pass reference="):
+        mod.eager(torch.randn(2), 0, 0, 0, 0, 1, 1)
+
+
+def test_raw_callback_cache_key_rules():
+    with pytest.raises(TypeError, match="lambda, closure or nested function; pass cache_key="):
+        sm.raw_callback(lambda g, s, t: s)
+
+    def nested(g, s, t):
+        return s
+
+    with pytest.raises(TypeError, match="pass cache_key="):
+        sm.raw_callback(nested)
+    with pytest.raises(TypeError, match="bound method"):
+        sm.raw_callback(Rec().mul)
+    assert sm.raw_callback(nested, cache_key="nested-v1").cache_key[1] == "nested-v1"
+    with pytest.raises(TypeError, match="cache_key must be hashable"):
+        sm.raw_callback(nested, cache_key=["x"])
+    with pytest.raises(ValueError, match="CPU tensors must be scalars"):
+        sm.raw_callback(scale_fprop, tensors={"s": torch.ones(3)})
+    with pytest.raises(TypeError, match="tensors must be a dict"):
+        sm.raw_callback(scale_fprop, tensors=[torch.ones(1)])
+    mod = sm.raw_callback(scale_fprop, reference=lambda s, b, h, q, k: s * 0.5)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(mod.eager(x, 0, 0, 0, 0, 1, 1), x * 0.5)
+    with pytest.raises(NotImplementedError, match="has no bprop"):
+        mod.lower_backward(Rec(), "dS", {}, {})
+
+
+def test_compose_with_raw_chains():
+    raw = sm.raw_callback(scale_fprop, bprop=scale_bprop, tensors={"s": torch.tensor(0.5)},
+                          bprop_tensors={"s": torch.tensor(0.5)}, reference=lambda s, b, h, q, k: s * 0.5)
+    mod = sm.compose(sm.softcap(2.0), raw)
+    assert isinstance(mod, ChainMod) and set(mod.cudnn_operands()) == {"m0_cap", "m1_fwd_s", "m1_bwd_s"}
+    s = torch.randn(2, 3, 4, 5)
+    idx = [torch.arange(n).view([-1 if d == k else 1 for d in range(4)]) for k, n in enumerate(s.shape)]
+    torch.testing.assert_close(mod.eager(s, *idx, 4, 5), 2.0 * torch.tanh(s / 2.0) * 0.5)
+    assert mod.has_backward and mod.has_reference
+
+
+def test_as_score_mod():
+    assert sm.as_score_mod(None) is None
+    c = sm.causal()
+    assert sm.as_score_mod(c) is c
+
+    def flex_softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * sm.tanh(score / 20.0)
+
+    traced = sm.as_score_mod(flex_softcap)
+    assert traced.scalars() == {}
+    assert traced.cache_key != sm.softcap(20.0).cache_key  # a literal 20.0 is structure, a param is not
+    assert traced.cache_key == sm.score_mod(lambda score, b, h, q_idx, kv_idx: 20.0 * sm.tanh(score / 20.0)).cache_key
+    s = torch.randn(2, 2, 3, 3)
+    idx = [torch.arange(n).view([-1 if d == k else 1 for d in range(4)]) for k, n in enumerate(s.shape)]
+    torch.testing.assert_close(traced.eager(s, *idx, 3, 3), 20.0 * torch.tanh(s / 20.0))
+    raw = sm.as_score_mod(scale_fprop, bprop=scale_bprop, tensors={"s": torch.tensor(1.0)})
+    assert isinstance(raw, sm.RawCallbackMod) and raw.has_backward
+
+    def torch_code(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score)
+
+    with pytest.raises(TypeError, match="could not be traced .* score_mods namespace"):
+        sm.as_score_mod(torch_code)
+    with pytest.raises(TypeError, match="like a raw cuDNN callback"):
+        sm.as_score_mod(scale_fprop)
+    with pytest.raises(ValueError, match="tensors given with the ScoreMod 'causal'"):
+        sm.as_score_mod(c, tensors={"s": torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="bprop given with no score_mod"):
+        sm.as_score_mod(None, bprop=scale_bprop)
+    with pytest.raises(TypeError, match="score_mod must be a ScoreMod"):
+        sm.as_score_mod(3.0)
