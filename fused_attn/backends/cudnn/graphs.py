@@ -1,0 +1,242 @@
+"""Build cuDNN frontend SDPA forward and backward graphs from a `GraphKey`.
+
+Graph dims are logical (B, H, S, D); the memory layout lives only in the strides (bshd, sbhd,
+bhsd, or thd with ragged offsets). `construct` creates the operation graph (pure Python, runs
+without a GPU up to `validate()`); `build` plans and compiles it into a `CompiledGraph`
+whose ordered slot list drives `execute` on the hot path.
+
+Slots (names of the buffers bound at execute, see `CompiledGraph.slots`):
+    q, k, v, o, stats                      forward (o, stats are outputs)
+    q, k, v, o, dO, stats, dQ, dK, dV      backward (dQ, dK, dV are outputs)
+    seq_q, seq_kv                          (B, 1, 1, 1) int32 lengths (padding / thd)
+    roff_q_<m>, roff_kv_<m>                (B+1, 1, 1, 1) int32 element offsets, thd only;
+                                           <m> the multiplier (heads * head dim)
+    sm:<name>                              score_mod operands; q_len / kv_len are the
+                                           seq_len tensors (padding / thd) or CPU fp32 scalars
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...cache import GraphKey
+
+__all__ = ["CompiledGraph", "construct", "build", "cudnn_band", "grad_strides", "dense_strides_like"]
+
+Dims = Tuple[int, ...]
+
+
+def cudnn_band(left: Optional[int], right: Optional[int]) -> Tuple[Optional[int], Optional[int]]:
+    """Map a flash-attention window (keys i-left .. i+right allowed) to cuDNN's band bounds.
+
+    cuDNN's `diagonal_band_left_bound` counts the diagonal itself: a left bound L keeps keys
+    i-(L-1) .. i (measured on an H100: left bound L equals a flash window left of L - 1).
+    So left_bound = left + 1. The right bound is the flash right directly (0 = causal).
+    """
+    return (None if left is None else left + 1), right
+
+
+def dense_strides_like(dims: Sequence[int], strides: Sequence[int]) -> Tuple[int, ...]:
+    """Strides of a dense tensor of `dims` laid out in the memory order of `strides`.
+
+    Equal to `strides` when they already describe a dense tensor (e.g. a bshd view);
+    used for every buffer this backend allocates (output, gradients).
+    """
+    order = sorted(range(len(dims)), key=lambda d: (-strides[d], -d))  # outermost first
+    out = [0] * len(dims)
+    step = 1
+    for d in reversed(order):
+        out[d] = step
+        step *= dims[d]
+    return tuple(out)
+
+
+def thd_strides(dims: Sequence[int]) -> Tuple[int, int, int, int]:
+    """Strides of a packed (T, H, D) tensor seen as (B_bucket, H, S_bucket, D)."""
+    _, h, s, d = dims
+    return (s * h * d, d, h * d, 1)
+
+
+def grad_strides(key: GraphKey) -> Tuple[Dims, Dims, Dims]:
+    """Strides of dQ, dK, dV: dense in the memory order of q, k, v (thd: packed)."""
+    if key.ragged:
+        return thd_strides(key.q_dims), thd_strides(key.k_dims), thd_strides(key.v_dims)
+    return (dense_strides_like(key.q_dims, key.q_strides), dense_strides_like(key.k_dims, key.k_strides),
+            dense_strides_like(key.v_dims, key.v_strides))
+
+
+@dataclass
+class CompiledGraph:
+    """A built graph plus what execute needs: slot names and uids in the same order."""
+
+    graph: Any
+    slots: Tuple[str, ...]
+    uids: List[int]
+    workspace_size: int
+
+
+def _io_type(cudnn: Any, dtype: str) -> Any:
+    if dtype == "float16":
+        return cudnn.data_type.HALF
+    if dtype == "bfloat16":
+        return cudnn.data_type.BFLOAT16
+    raise TypeError(f"cuDNN SDPA graphs take float16 or bfloat16, got {dtype}")
+
+
+class _Builder:
+    """Collects named graph inputs/outputs while one graph is constructed."""
+
+    def __init__(self, cudnn: Any, key: GraphKey, handle: Any) -> None:
+        self.cudnn = cudnn
+        self.key = key
+        self.io = _io_type(cudnn, key.dtype)
+        self.graph = cudnn.pygraph(
+            io_data_type=self.io,
+            intermediate_data_type=cudnn.data_type.FLOAT,
+            compute_data_type=cudnn.data_type.FLOAT,
+            handle=handle,
+        )
+        self.named: Dict[str, Any] = {}
+        self.offsets: Dict[Tuple[str, int], Any] = {}
+
+    def tensor(self, name: str, dims: Sequence[int], strides: Sequence[int], dtype: Any = None) -> Any:
+        t = self.graph.tensor(dim=list(dims), stride=list(strides), data_type=dtype or self.io, name=name)
+        self.named[name] = t
+        return t
+
+    def tensor_like(self, name: str, template: torch.Tensor) -> Any:
+        """A graph input like `template` (CPU tensors become pass-by-value)."""
+        t = self.graph.tensor_like(template, name=name)
+        self.named[name] = t
+        return t
+
+    def int_tensor(self, name: str, n: int) -> Any:
+        return self.tensor(name, (n, 1, 1, 1), (1, 1, 1, 1), self.cudnn.data_type.INT32)
+
+    def ragged(self, side: str, dims: Sequence[int]) -> Any:
+        """The (B+1, 1, 1, 1) element-offset tensor for `side` ("q"/"kv") and heads*dim of dims."""
+        mult = dims[1] * dims[3]
+        off = self.offsets.get((side, mult))
+        if off is None:
+            off = self.int_tensor(f"roff_{side}_{mult}", dims[0] + 1)
+            self.offsets[(side, mult)] = off
+        return off
+
+    def io_tensor(self, name: str, side: str, dims: Sequence[int], strides: Sequence[int]) -> Any:
+        t = self.tensor(name, dims, strides)
+        if self.key.ragged:
+            t.set_ragged_offset(self.ragged(side, dims))
+        return t
+
+    def output(self, name: str, t: Any, side: Optional[str], dims: Sequence[int], strides: Sequence[int],
+               dtype: Any = None) -> None:
+        t.set_output(True).set_dim(list(dims)).set_stride(list(strides)).set_data_type(dtype or self.io)
+        if side is not None and self.key.ragged:
+            t.set_ragged_offset(self.ragged(side, dims))
+        t.set_name(name)
+        self.named[name] = t
+
+
+def _o_dims(key: GraphKey) -> Dims:
+    return key.q_dims[:3] + (key.v_dims[3],)
+
+
+def _stats_dims(key: GraphKey) -> Tuple[Dims, Dims]:
+    b, h, s, _ = key.q_dims
+    return (b, h, s, 1), (h * s, s, 1, 1)
+
+
+def _common_kwargs(b: _Builder, score_mod: Any, operand_templates: Dict[str, torch.Tensor],
+                   backward: bool) -> Dict[str, Any]:
+    """sdpa / sdpa_backward keyword arguments for masks, lengths and the score_mod."""
+    key, cudnn = b.key, b.cudnn
+    kw: Dict[str, Any] = {"attn_scale": key.scale}
+    if key.band is not None:
+        left, right, bottom_right = key.band
+        kw["diagonal_alignment"] = (cudnn.diagonal_alignment.BOTTOM_RIGHT if bottom_right
+                                    else cudnn.diagonal_alignment.TOP_LEFT)
+        if left is not None:
+            kw["diagonal_band_left_bound"] = left
+        if right is not None:
+            kw["diagonal_band_right_bound"] = right
+    seq_q = seq_kv = None
+    if key.padding or key.ragged:
+        seq_q = b.int_tensor("seq_q", key.q_dims[0])
+        seq_kv = b.int_tensor("seq_kv", key.q_dims[0])
+        kw["seq_len_q"], kw["seq_len_kv"] = seq_q, seq_kv
+        # cuDNN refuses its own padding mask together with a score_mod; lengths still apply.
+        kw["use_padding_mask"] = score_mod is None
+    if score_mod is not None:
+        operands = {n: b.tensor_like(f"sm:{n}", t) for n, t in operand_templates.items()}
+        if getattr(score_mod, "uses_lengths", False) and seq_q is not None:
+            operands["q_len"], operands["kv_len"] = seq_q, seq_kv
+        memo: Dict[Any, Any] = {}
+        kw["score_mod"] = lambda g, s: score_mod.lower_forward(g, s, operands, memo)
+        if backward:
+            kw["score_mod_bprop"] = lambda g, ds: score_mod.lower_backward(g, ds, operands, memo)
+    return kw
+
+
+def construct(key: GraphKey, score_mod: Any = None, operand_templates: Optional[Dict[str, torch.Tensor]] = None,
+              handle: Any = None) -> Tuple[Any, Dict[str, Any]]:
+    """Create the operation graph for `key` (no planning); returns (graph, {slot: IR tensor}).
+
+    operand_templates: torch tensors shaped like the score_mod operands (including q_len /
+    kv_len CPU scalars for plain dense problems), used for `tensor_like` only.
+    """
+    import cudnn
+
+    b = _Builder(cudnn, key, handle)
+    q = b.io_tensor("q", "q", key.q_dims, key.q_strides)
+    k = b.io_tensor("k", "kv", key.k_dims, key.k_strides)
+    v = b.io_tensor("v", "kv", key.v_dims, key.v_strides)
+    stats_dims, stats_strides = _stats_dims(key)
+    o_dims = _o_dims(key)
+    if key.direction == "fwd":
+        kw = _common_kwargs(b, score_mod, operand_templates or {}, backward=False)
+        o, stats = b.graph.sdpa(q=q, k=k, v=v, generate_stats=True, name="sdpa", **kw)
+        b.output("o", o, "q", o_dims, key.o_strides)
+        b.output("stats", stats, None, stats_dims, stats_strides, cudnn.data_type.FLOAT)
+    else:
+        o = b.io_tensor("o", "q", o_dims, key.o_strides)
+        d_o = b.io_tensor("dO", "q", o_dims, key.o_strides)
+        stats = b.tensor("stats", stats_dims, stats_strides, cudnn.data_type.FLOAT)
+        kw = _common_kwargs(b, score_mod, operand_templates or {}, backward=True)
+        if key.deterministic:
+            kw["use_deterministic_algorithm"] = True
+        dq, dk, dv = b.graph.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, name="sdpa_bwd", **kw)
+        sq, sk, sv = grad_strides(key)
+        b.output("dQ", dq, "q", key.q_dims, sq)
+        b.output("dK", dk, "kv", key.k_dims, sk)
+        b.output("dV", dv, "kv", key.v_dims, sv)
+    return b.graph, b.named
+
+
+def build(key: GraphKey, score_mod: Any, operand_templates: Dict[str, torch.Tensor], handle: Any) -> CompiledGraph:
+    """Construct, plan and compile the graph for `key` on the current CUDA device.
+
+    Any frontend failure becomes NotImplementedError naming the configuration and the
+    alternative; the frontend's own traceback is not chained.
+    """
+    import cudnn
+
+    try:
+        graph, named = construct(key, score_mod, operand_templates, handle)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        workspace = int(graph.get_workspace_size())
+    except Exception as exc:  # noqa: BLE001 - frontend errors have many types
+        message = f"{type(exc).__name__}: {exc}"
+    else:
+        slots = tuple(named)
+        return CompiledGraph(graph, slots, [named[s].get_uid() for s in slots], workspace)
+    raise NotImplementedError(
+        f"cuDNN cannot run this attention configuration ({key.describe()}): {message.strip()[:600]}. "
+        "Use backend='reference' for it."
+    ) from None

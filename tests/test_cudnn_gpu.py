@@ -1,0 +1,242 @@
+"""The cuDNN backend against the reference backend on a GPU (dense layouts, every option)."""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+def make(fmt, b, h, s, d, dtype, requires_grad=True):
+    shape = {"bshd": (b, s, h, d), "sbhd": (s, b, h, d), "bhsd": (b, h, s, d)}[fmt]
+    return torch.randn(shape, device="cuda", dtype=dtype).requires_grad_(requires_grad)
+
+
+def dtype_error(q, k, v, fmt, dtype):
+    """Relative error of torch's own same-dtype math attention vs fp32 on these inputs."""
+    perm = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}[fmt]
+    ql, kl, vl = (t.detach().permute(*perm) for t in (q, k, v))
+    rep = ql.shape[1] // kl.shape[1]
+    kl, vl = kl.repeat_interleave(rep, 1), vl.repeat_interleave(rep, 1)
+
+    def run(x, y, z):
+        p = torch.softmax((x @ y.transpose(-1, -2)) / math.sqrt(x.shape[-1]), -1)
+        return p @ z
+
+    return rel(run(ql, kl, vl), run(ql.float(), kl.float(), vl.float()))
+
+
+def run(backend, q, k, v, grad, **kw):
+    import fused_attn
+
+    out, lse = fused_attn.dot_product_attention(q, k, v, backend=backend, return_lse=True, **kw)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    return out, lse, grads
+
+
+def compare(fmt, dtype, b=2, h=4, hkv=4, sq=128, skv=128, d=64, dv=64, make_inputs=None, **kw):
+    q, k, v = make(fmt, b, h, sq, d, dtype), make(fmt, b, hkv, skv, d, dtype), make(fmt, b, hkv, skv, dv, dtype)
+    if make_inputs is not None:
+        q, k, v = make_inputs(q, k, v)
+    grad = torch.randn(*q.shape[:-1], dv, device="cuda", dtype=dtype)
+    out, lse, grads = run("cudnn", q, k, v, grad, **kw)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out_r, lse_r, grads_r = run("reference", qf, kf, vf, grad.float(), **kw)
+    tol = 4 * dtype_error(q, k, v, fmt, dtype) + 1e-3
+    assert out.shape == out_r.shape and out.dtype == dtype
+    assert not out.isnan().any() and not any(g.isnan().any() for g in grads)
+    assert rel(out, out_r) < tol, ("out", rel(out, out_r), tol)
+    finite = torch.isfinite(lse_r)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert rel(lse[finite], lse_r[finite]) < tol
+    for name, g, gr, t in zip("qkv", grads, grads_r, (q, k, v)):
+        assert g.shape == t.shape
+        assert rel(g, gr) < 2 * tol, (f"d{name}", rel(g, gr), tol)
+    return out, grads
+
+
+MASKS = [
+    dict(),
+    dict(attn_mask_type="causal"),
+    dict(attn_mask_type="causal_bottom_right"),
+    dict(window_size=(16, 0)),
+    dict(window_size=(8, 8)),
+    dict(window_size=(-1, 4)),
+    dict(attn_mask_type="causal_bottom_right", window_size=(16, 0)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "none")
+def test_dense_masks(fmt, dtype, mask):
+    compare(fmt, dtype, **mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [
+    dict(h=8, hkv=2), dict(h=4, hkv=1, dv=128), dict(sq=64, skv=192), dict(sq=200, skv=72, d=128, dv=32),
+])
+@pytest.mark.parametrize("mask", [dict(), dict(attn_mask_type="causal"), dict(attn_mask_type="causal_bottom_right")])
+def test_gqa_and_shapes(shape, dtype, mask):
+    if mask.get("attn_mask_type") == "causal_bottom_right" and shape.get("sq", 128) > shape.get("skv", 128):
+        pytest.skip("bottom-right with Sq > Skv: covered by test_bottom_right_sq_gt_skv")
+    compare("bshd", dtype, **shape, **mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mask", ["padding", "padding_causal"])
+def test_dense_padding(dtype, mask):
+    lens_q = torch.tensor([0, 37, 128], dtype=torch.int32)
+    lens_kv = torch.tensor([5, 1, 128], dtype=torch.int32)
+    cu = lambda l: torch.cat([torch.zeros(1, dtype=torch.int32), l.cumsum(0).to(torch.int32)]).cuda()
+    out, grads = compare("bshd", dtype, b=3, attn_mask_type=mask, cu_seqlens_q=cu(lens_q), cu_seqlens_kv=cu(lens_kv))
+    assert out[1, 37:].abs().max() == 0 and out[0].abs().max() == 0
+
+
+def test_bottom_right_sq_gt_skv():
+    # Either right (rows with no key: 0 / -inf) or a NotImplementedError naming the alternative.
+    try:
+        compare("bshd", torch.bfloat16, sq=128, skv=64, attn_mask_type="causal_bottom_right")
+    except NotImplementedError as exc:
+        assert "reference" in str(exc)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_inputs(dtype):
+    def slices(q, k, v):
+        # every other head of a wider tensor, and a head-dim slice of a wider value
+        qw = torch.randn(2, 128, 8, 64, device="cuda", dtype=dtype)[:, :, ::2].requires_grad_()
+        kw = torch.randn(2, 128, 4, 128, device="cuda", dtype=dtype)[..., :64].requires_grad_()
+        vw = torch.randn(2, 4, 128, 64, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        return qw, kw, vw
+
+    compare("bshd", dtype, make_inputs=slices)
+
+
+def test_grad_out_other_layout_and_grads_in_input_layout():
+    import fused_attn
+
+    q, k, v = (make("sbhd", 2, 4, 128, 64, torch.bfloat16) for _ in range(3))
+    out = fused_attn.dot_product_attention(q, k, v, qkv_format="sbhd", backend="cudnn")
+    assert out.stride() == q.stride()
+    g = torch.randn(2, 4, 128, 64, device="cuda", dtype=torch.bfloat16).permute(2, 0, 1, 3)  # bhsd memory
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    dq2, _, _ = torch.autograd.grad(fused_attn.dot_product_attention(q, k, v, qkv_format="sbhd", backend="cudnn"),
+                                    (q, k, v), g.contiguous())
+    torch.testing.assert_close(dq, dq2, rtol=0, atol=0)
+
+
+def test_two_streams():
+    import fused_attn
+
+    q, k, v = (make("bshd", 2, 4, 256, 64, torch.bfloat16, False) for _ in range(3))
+    expected = fused_attn.dot_product_attention(q, k, v, backend="cudnn", attn_mask_type="causal")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    outs = []
+    for s in (s1, s2):
+        with torch.cuda.stream(s):
+            outs.append(fused_attn.dot_product_attention(q, k, v, backend="cudnn", attn_mask_type="causal"))
+    torch.cuda.synchronize()
+    for o in outs:
+        torch.testing.assert_close(o, expected, rtol=0, atol=0)
+
+
+def test_deterministic_backward_bitwise():
+    import fused_attn
+
+    q, k, v = (make("bshd", 2, 8, 512, 64, torch.bfloat16) for _ in range(3))
+    g = torch.randn_like(q)
+    runs = []
+    for _ in range(2):
+        out = fused_attn.dot_product_attention(q, k, v, backend="cudnn", deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), g))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_cache_hits_and_no_rebuilds():
+    import fused_attn
+    from fused_attn import graph_cache
+
+    graph_cache.clear()
+    q, k, v = (make("bshd", 1, 2, 128, 64, torch.float16) for _ in range(3))
+    out = fused_attn.dot_product_attention(q, k, v, backend="cudnn")
+    out.sum().backward()
+    first = graph_cache.cache_info()
+    assert first.builds == 2 and first.size == 2
+    for _ in range(20):
+        q2, k2, v2 = (make("bshd", 1, 2, 128, 64, torch.float16) for _ in range(3))
+        fused_attn.dot_product_attention(q2, k2, v2, backend="cudnn").sum().backward()
+    info = graph_cache.cache_info()
+    assert info.builds == 2 and info.hits >= 40
+
+
+def test_set_maxsize_bounds_size():
+    import fused_attn
+    from fused_attn import graph_cache
+
+    graph_cache.clear()
+    old = graph_cache.cache_info().maxsize
+    try:
+        graph_cache.set_maxsize(2)
+        for s in (64, 128, 192, 256):
+            q, k, v = (make("bshd", 1, 2, s, 64, torch.float16, False) for _ in range(3))
+            fused_attn.dot_product_attention(q, k, v, backend="cudnn")
+        info = graph_cache.cache_info()
+        assert info.size == 2 and info.evictions == 2
+    finally:
+        graph_cache.set_maxsize(old)
+
+
+def test_score_mod_without_backward_raises_at_backward():
+    import fused_attn
+    from score_mods.base import ScoreMod
+
+    class Fwd(ScoreMod):
+        name = "fwd_only_scale"
+        cache_key = ("fwd_only_scale",)
+        has_backward = False
+
+        def eager(self, score, *args):
+            return score * 0.5
+
+        def cudnn_operands(self):
+            return {"f": torch.full((1, 1, 1, 1), 0.5)}
+
+        def lower_forward(self, graph, score, operands, memo):
+            return graph.mul(a=score, b=operands["f"])
+
+    q, k, v = (make("bshd", 1, 2, 128, 64, torch.bfloat16) for _ in range(3))
+    out = fused_attn.dot_product_attention(q, k, v, backend="cudnn", score_mod=Fwd())
+    ref = fused_attn.dot_product_attention(*(t.detach().float() for t in (q, k, v)), backend="reference", score_mod=Fwd())
+    assert rel(out, ref) < 2e-2
+    with pytest.raises(NotImplementedError, match="fwd_only_scale.*no cuDNN backward"):
+        out.sum().backward()
+
+
+def test_warmup_builds_then_call_hits():
+    import fused_attn
+    from fused_attn import graph_cache
+
+    graph_cache.clear()
+    cfg = dict(batch=2, seqlen_q=128, seqlen_kv=128, num_heads=4, num_kv_heads=2, head_dim=64,
+               dtype=torch.bfloat16, qkv_format="bshd", attn_mask_type="causal")
+    info = graph_cache.warmup([cfg])
+    assert info.builds == 2
+    q = make("bshd", 2, 4, 128, 64, torch.bfloat16)
+    k, v = make("bshd", 2, 2, 128, 64, torch.bfloat16), make("bshd", 2, 2, 128, 64, torch.bfloat16)
+    fused_attn.dot_product_attention(q, k, v, backend="cudnn", attn_mask_type="causal").sum().backward()
+    assert graph_cache.cache_info().builds == 2

@@ -1,0 +1,378 @@
+"""cuDNN graph construction up to validate() on CPU, plus the backend's host-side helpers."""
+
+import math
+
+import pytest
+import torch
+
+cudnn = pytest.importorskip("cudnn")
+
+from fused_attn.backends import cudnn as backend  # noqa: E402
+from fused_attn.backends.cudnn import varlen  # noqa: E402
+from fused_attn.backends.cudnn.graphs import (  # noqa: E402
+    construct, cudnn_band, dense_strides_like, grad_strides, thd_strides,
+)
+from fused_attn.cache import GraphKey  # noqa: E402
+from fused_attn.problem import AttentionProblem, Band  # noqa: E402
+from score_mods.base import ScoreMod, describe_operands  # noqa: E402
+
+B, H, HKV, SQ, SKV, D, DV = 2, 4, 2, 96, 128, 64, 32
+
+
+def logical(fmt, b, h, s, d):
+    """A random tensor in `fmt` memory layout, returned as its logical (B, H, S, D) view."""
+    if fmt == "bshd":
+        return torch.randn(b, s, h, d).permute(0, 2, 1, 3)
+    if fmt == "sbhd":
+        return torch.randn(s, b, h, d).permute(1, 2, 0, 3)
+    return torch.randn(b, h, s, d)
+
+
+def dense_key(direction, fmt, band=None, padding=False, score_mod=None, operands=None, deterministic=False,
+              dv=DV, hkv=HKV):
+    q, k, v = logical(fmt, B, H, SQ, D), logical(fmt, B, hkv, SKV, D), logical(fmt, B, hkv, SKV, dv)
+    o_dims = (B, H, SQ, dv)
+    key = GraphKey(
+        direction=direction, dtype="bfloat16", q_dims=tuple(q.shape), k_dims=tuple(k.shape), v_dims=tuple(v.shape),
+        q_strides=q.stride(), k_strides=k.stride(), v_strides=v.stride(),
+        o_strides=dense_strides_like(o_dims, q.stride()), scale=1 / math.sqrt(D), band=band, padding=padding,
+        score_mod=None if score_mod is None else score_mod.cache_key,
+        operands=describe_operands(operands or {}), deterministic=deterministic,
+    )
+    return key, (q, k, v)
+
+
+def sdpa_node(graph):
+    return [n for n in graph.nodes if "sdpa" in n.name][0]
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+def test_dense_layouts_dims_and_strides(fmt, direction):
+    key, (q, k, v) = dense_key(direction, fmt)
+    graph, named = construct(key)
+    graph.validate()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        assert named[name].dim == list(t.shape) and named[name].stride == list(t.stride())
+    o = named["o"]
+    assert o.dim == [B, H, SQ, DV] and o.stride == list(dense_strides_like((B, H, SQ, DV), q.stride()))
+    assert named["stats"].dim == [B, H, SQ, 1]
+    if direction == "bwd":
+        assert named["dO"].stride == o.stride
+        for g, t in (("dQ", q), ("dK", k), ("dV", v)):
+            assert named[g].dim == list(t.shape)
+            assert named[g].stride == list(t.stride())  # inputs are dense: grads share their strides
+        assert {"dQ", "dK", "dV"} <= set(named)
+    else:
+        assert "dQ" not in named
+
+
+def test_gqa_and_value_head_dim():
+    key, _ = dense_key("fwd", "bshd", hkv=1, dv=128)
+    graph, named = construct(key)
+    graph.validate()
+    assert named["k"].dim == [B, 1, SKV, D] and named["v"].dim == [B, 1, SKV, 128]
+    assert named["o"].dim == [B, H, SQ, 128]
+
+
+@pytest.mark.parametrize("band,alignment", [
+    ((None, 0, False), "TOP_LEFT"), ((None, 0, True), "BOTTOM_RIGHT"), ((17, 0, False), "TOP_LEFT"),
+    ((9, 3, True), "BOTTOM_RIGHT"), ((None, 5, False), "TOP_LEFT"),
+])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_band_parameters(band, alignment, direction):
+    key, _ = dense_key(direction, "bshd", band=band)
+    graph, _ = construct(key)
+    graph.validate()
+    params = sdpa_node(graph).params
+    assert params["diagonal_alignment"].name == alignment
+    assert params.get("diagonal_band_left_bound") == band[0]
+    assert params.get("diagonal_band_right_bound") == band[1]
+
+
+def test_window_left_bound_mapping():
+    # flash window left L (keys i-L..i) is cuDNN left bound L + 1 (measured on an H100).
+    assert cudnn_band(0, 0) == (1, 0)
+    assert cudnn_band(16, 0) == (17, 0)
+    assert cudnn_band(None, 0) == (None, 0)
+    assert cudnn_band(4, None) == (5, None)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_dense_padding(direction):
+    key, _ = dense_key(direction, "bshd", padding=True, band=(None, 0, True))
+    graph, named = construct(key)
+    graph.validate()
+    params = sdpa_node(graph).params
+    assert params["use_padding_mask"] is True
+    assert named["seq_q"].dim == [B, 1, 1, 1] and named["seq_kv"].dim == [B, 1, 1, 1]
+    assert named["seq_q"].data_type == cudnn.data_type.INT32
+
+
+def test_deterministic_backward_flag():
+    key, _ = dense_key("bwd", "bshd", deterministic=True)
+    graph, _ = construct(key)
+    graph.validate()
+    assert sdpa_node(graph).params.get("use_deterministic_algorithm") is True
+    key2, _ = dense_key("bwd", "bshd")
+    graph2, _ = construct(key2)
+    assert not sdpa_node(graph2).params.get("use_deterministic_algorithm", False)
+
+
+class ScaleMod(ScoreMod):
+    """score * factor, factor a pass-by-value scalar; optionally reads the lengths."""
+
+    name = "scale_mod"
+
+    def __init__(self, factor=0.5, lengths=False, backward=True):
+        self.factor, self._lengths, self._backward = factor, lengths, backward
+        self.calls = []
+
+    @property
+    def cache_key(self):
+        return ("scale_mod", self._lengths)
+
+    @property
+    def uses_lengths(self):
+        return self._lengths
+
+    @property
+    def has_backward(self):
+        return self._backward
+
+    def eager(self, score, b, h, q_idx, kv_idx, q_len, kv_len):
+        return score * self.factor
+
+    def cudnn_operands(self):
+        return {"factor": torch.full((1, 1, 1, 1), self.factor)}
+
+    def lower_forward(self, graph, score, operands, memo):
+        self.calls.append(("fwd", sorted(operands)))
+        return graph.mul(a=score, b=operands["factor"])
+
+    def lower_backward(self, graph, dscore, operands, memo):
+        self.calls.append(("bwd", sorted(operands)))
+        return graph.mul(a=dscore, b=operands["factor"])
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("lengths", [False, True])
+def test_score_mod_operands_and_callbacks(direction, lengths):
+    mod = ScaleMod(lengths=lengths)
+    operands = dict(mod.cudnn_operands())
+    if lengths:
+        operands["q_len"], operands["kv_len"] = backend._len_scalar(SQ), backend._len_scalar(SKV)
+    key, _ = dense_key(direction, "bshd", score_mod=mod, operands=operands)
+    graph, named = construct(key, mod, operands)
+    graph.validate()
+    params = sdpa_node(graph).params
+    assert callable(params["score_mod"])
+    assert ("score_mod_bprop" in params) == (direction == "bwd")
+    # The callbacks lower through the mod with the graph inputs made for its operands.
+    class FakeGraph:
+        def mul(self, a, b):
+            return ("mul", a, b)
+
+    out = params["score_mod"](FakeGraph(), "score")
+    assert out == ("mul", "score", named["sm:factor"])
+    if direction == "bwd":
+        assert params["score_mod_bprop"](FakeGraph(), "dscore")[2] is named["sm:factor"]
+    names = ["factor", "kv_len", "q_len"] if lengths else ["factor"]
+    assert mod.calls[0] == ("fwd", names)
+    assert named["sm:factor"].is_pass_by_value
+    assert ("sm:q_len" in named) == lengths
+    assert "use_padding_mask" not in params and "diagonal_alignment" not in params
+
+
+def test_score_mod_with_padding_passes_lengths_not_mask():
+    mod = ScaleMod(lengths=True)
+    operands = dict(mod.cudnn_operands())
+    key, _ = dense_key("fwd", "bshd", padding=True, score_mod=mod, operands=operands)
+    graph, named = construct(key, mod, operands)
+    graph.validate()
+    params = sdpa_node(graph).params
+    assert params["use_padding_mask"] is False
+    assert "seq_q" in named and "sm:q_len" not in named
+
+
+def thd_key(direction, bb=4, sq=256, skv=256, h=H, hkv=HKV, d=D, dv=DV):
+    dims = ((bb, h, sq, d), (bb, hkv, skv, d), (bb, hkv, skv, dv))
+    return GraphKey(
+        direction=direction, dtype="float16", q_dims=dims[0], k_dims=dims[1], v_dims=dims[2],
+        q_strides=thd_strides(dims[0]), k_strides=thd_strides(dims[1]), v_strides=thd_strides(dims[2]),
+        o_strides=thd_strides((bb, h, sq, dv)), scale=0.125, ragged=True,
+    )
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_thd_ragged_offsets(direction):
+    key = thd_key(direction)
+    graph, named = construct(key)
+    graph.validate()
+    assert named["q"].stride == [256 * H * D, D, H * D, 1]
+    assert named["v"].stride == [256 * HKV * DV, DV, HKV * DV, 1]
+    expect = {"q": f"roff_q_{H * D}", "k": f"roff_kv_{HKV * D}", "v": f"roff_kv_{HKV * DV}", "o": f"roff_q_{H * DV}"}
+    if direction == "bwd":
+        expect.update({"dO": expect["o"], "dQ": expect["q"], "dK": expect["k"], "dV": expect["v"]})
+    for name, off in expect.items():
+        assert named[name].ragged_offset.name == off, name
+        assert named[off].dim == [5, 1, 1, 1]
+    assert named["stats"].ragged_offset is None and named["stats"].dim == [4, H, 256, 1]
+    assert sdpa_node(graph).params["use_padding_mask"] is True
+
+
+def test_grad_strides_follow_input_memory_order():
+    key, (q, k, v) = dense_key("bwd", "sbhd")
+    assert grad_strides(key) == (q.stride(), k.stride(), v.stride())
+    base = torch.randn(B, SQ, H, 2 * D)[..., :D].permute(0, 2, 1, 3)  # non-dense view
+    assert dense_strides_like(base.shape, base.stride()) == torch.empty(B, SQ, H, D).permute(0, 2, 1, 3).stride()
+
+
+# ----------------------------------------------------------------------------- varlen helpers
+
+
+def test_buckets():
+    assert [varlen.bucket_batch(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert [varlen.bucket_seqlen(n) for n in (0, 1, 63, 64, 65, 1792, 4096)] == [64, 64, 64, 64, 128, 2048, 4096]
+
+
+def make_thd_problem(lens_q, lens_kv, padded_gap=0, band=None):
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_kv = torch.tensor([0] + list(torch.tensor(lens_kv).cumsum(0)), dtype=torch.int32)
+    pad_q = None
+    if padded_gap:
+        pad_q = torch.tensor([i * padded_gap + int(c) for i, c in enumerate(cu_q)], dtype=torch.int32)
+    tq = int(pad_q[-1]) if pad_q is not None else int(cu_q[-1])
+    q = torch.randn(tq, H, D)
+    k, v = torch.randn(int(cu_kv[-1]), HKV, D), torch.randn(int(cu_kv[-1]), HKV, DV)
+    return AttentionProblem(q, k, v, "thd", 0.125, band=band, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                            cu_seqlens_q_padded=pad_q, max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv))
+
+
+def test_prepare_pads_batch_with_empty_sequences():
+    p = make_thd_problem([3, 0, 70], [5, 1, 2])
+    thd = varlen.prepare(p)
+    assert (thd.batch, thd.batch_bucket, thd.sq_bucket, thd.skv_bucket) == (3, 4, 128, 64)
+    assert thd.seq_q.view(-1).tolist() == [3, 0, 70, 0] and thd.seq_kv.view(-1).tolist() == [5, 1, 2, 0]
+    assert thd.tok_q.tolist() == [0, 3, 3, 73, 73]
+    assert thd.offsets("kv", HKV * D).view(-1).tolist() == [x * HKV * D for x in [0, 5, 6, 8, 8]]
+    assert thd.offsets("q", 7).shape == (5, 1, 1, 1) and thd.offsets("q", 7).dtype == torch.int32
+
+
+def test_prepare_uses_padded_offsets():
+    p = make_thd_problem([3, 4], [3, 4], padded_gap=2)
+    thd = varlen.prepare(p)
+    assert thd.tok_q.tolist() == [0, 5, 11]  # token offsets from cu_seqlens_q_padded
+    assert thd.seq_q.view(-1).tolist() == [3, 4]
+
+
+def test_gather_lse_packed_layout():
+    p = make_thd_problem([3, 0, 5], [3, 1, 5], padded_gap=1)
+    thd = varlen.prepare(p)
+    stats = torch.randn(thd.batch_bucket, H, thd.sq_bucket, 1)
+    tq = p.query.shape[0]
+    lse = varlen.gather_lse(stats, thd, tq)
+    assert lse.shape == (H, tq) and lse.dtype == torch.float32
+    expected = torch.full((H, tq), float("-inf"))
+    tok = thd.tok_q.tolist()
+    for b, n in enumerate([3, 0, 5]):
+        for i in range(n):
+            expected[:, tok[b] + i] = stats[b, :, i, 0]
+    torch.testing.assert_close(lse, expected)
+
+
+def test_offset_range_check():
+    with pytest.raises(NotImplementedError, match="int32 ragged offsets"):
+        varlen.check_offset_range("query", 2**24, 64, 128)
+    varlen.check_offset_range("query", 1024, 16, 128)
+
+
+def test_bottom_right_thd_shares_one_seq_bucket():
+    p = make_thd_problem([100, 3], [10, 20], band=Band(None, 0, True))
+    assert backend._seq_buckets(p) == (128, 128)
+    assert backend.saved_like(p).shape == (2, H, 128, 1)
+    p2 = make_thd_problem([100, 3], [10, 20])
+    assert backend._seq_buckets(p2) == (128, 64)
+
+
+# ----------------------------------------------------------------------------- can_serve
+
+
+def dense_problem(dtype=torch.bfloat16, d=64, dv=64, device="cpu"):
+    q = torch.randn(1, 2, 16, d, dtype=dtype, device=device)
+    k = torch.randn(1, 2, 16, d, dtype=dtype, device=device)
+    v = torch.randn(1, 2, 16, dv, dtype=dtype, device=device)
+    return AttentionProblem(q, k, v, "bshd", 0.125)
+
+
+def test_can_serve_reasons_on_cpu():
+    assert "needs CUDA tensors" in backend.can_serve(dense_problem())
+    with pytest.raises(NotImplementedError, match="backend='cudnn' cannot run this problem: the cuDNN backend needs CUDA"):
+        backend.forward(dense_problem())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kw,match", [
+    (dict(dtype=torch.float32), "float16 or bfloat16"),
+    (dict(d=60), "multiple of 8"),
+    (dict(dv=264), "value head dim"),
+])
+def test_can_serve_reasons_on_cuda(kw, match):
+    assert match in backend.can_serve(dense_problem(device="cuda", **kw))
+
+
+def test_saved_like_dense():
+    p = dense_problem()
+    s = backend.saved_like(p)
+    assert s.shape == (1, 2, 16, 1) and s.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+class _FakeBackend:
+    """A backend module stand-in: forward saves 2*lse-ish data; backward uses only what it saved."""
+
+    def __init__(self):
+        self.backward_calls = []
+
+    @staticmethod
+    def _math(q, k, v, scale):
+        s = (q @ k.transpose(-1, -2)) * scale
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+    def forward(self, problem):
+        out, lse = self._math(problem.query, problem.key, problem.value, problem.scale)
+        return out, lse, lse.unsqueeze(-1).clone()
+
+    def backward(self, problem, out, saved, grad_out):
+        self.backward_calls.append((out.shape, saved.shape, grad_out.stride()))
+        q, k, v = (t.detach().requires_grad_() for t in (problem.query, problem.key, problem.value))
+        with torch.enable_grad():
+            o, _ = self._math(q, k, v, problem.scale)
+            return torch.autograd.grad(o, (q, k, v), grad_out)
+
+
+def test_autograd_function_gradients_and_saved():
+    from fused_attn.autograd import attention
+
+    fake = _FakeBackend()
+    q, k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    problem = AttentionProblem(q, k, v, "bhsd", 0.3, return_lse=True)
+    out, lse = attention(fake, problem)
+    assert not lse.requires_grad
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    expected = torch.autograd.grad(_FakeBackend._math(q, k, v, 0.3)[0], (q, k, v), g)
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b)
+    assert fake.backward_calls == [((2, 3, 5, 8), (2, 3, 5, 1), g.stride())]
+
+
+def test_autograd_no_grad_skips_function():
+    from fused_attn.autograd import attention
+
+    fake = _FakeBackend()
+    q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
+    out, lse = attention(fake, AttentionProblem(q, k, v, "bhsd", 0.5, return_lse=True))
+    assert out.grad_fn is None and out.shape == (1, 1, 4, 8)
