@@ -1,0 +1,196 @@
+"""Document-packed attention: several documents per batch row, each attending only within itself.
+
+Shape legend:
+    B: batch rows      S: tokens per row (every row the same)      H / H_kv: heads      D: head dim
+    MAX_DOCS: documents per row (rows with fewer documents repeat S as sentinels)
+
+Row b of ``cu_seq`` (B, MAX_DOCS+1) int32 holds the document boundaries of batch row b, e.g. with
+S = 8 and MAX_DOCS = 3, ``[0, 3, 8, 8]`` is two documents [0, 3) and [3, 8) plus one empty one.
+Causal attention for that row (x: attended)::
+
+    q\\k 0 1 2 3 4 5 6 7
+    0   x . . . . . . .
+    1   x x . . . . . .
+    2   x x x . . . . .
+    3   . . . x . . . .
+    4   . . . x x . . .
+    ...
+
+The (B, S, H, D) tensors are viewed as packed (B*S, H, D) tokens with global offsets
+b*S + cu_seq[b, :-1] (plus a final B*S), so shapes stay uniform across batch rows (the op can be
+sharded by batch or heads) and no token is copied.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import functional
+
+__all__ = ["doc_packed_attn", "doc_cu_seqlens", "check_doc_boundaries"]
+
+
+def doc_cu_seqlens(cu_seq: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Global packed offsets ((B*MAX_DOCS)+1,) int32 from per-row boundaries (B, MAX_DOCS+1).
+
+    Computed on cu_seq's device with no host synchronisation. Sentinel documents become
+    zero-length sequences: b*S + S equals the start (b+1)*S of the next row's first document.
+    """
+    batch = cu_seq.shape[0]
+    starts = cu_seq[:, :-1] + torch.arange(batch, device=cu_seq.device, dtype=cu_seq.dtype).unsqueeze(1) * seq_len
+    end = torch.full((1,), batch * seq_len, device=cu_seq.device, dtype=cu_seq.dtype)
+    return torch.cat([starts.reshape(-1), end]).to(torch.int32)
+
+
+def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch.device) -> None:
+    """Validate ``cu_seq`` (B, MAX_DOCS+1) int32; raises TypeError/ValueError naming the problem.
+
+    Structure (type, dtype, rank, batch, device) is checked on the host; values (start at 0,
+    end at S, non-decreasing, within [0, S]) with exactly one device->host read per call, in
+    eager mode. Under torch.compile the value check becomes an asynchronous device assert.
+    """
+    if not isinstance(cu_seq, torch.Tensor):
+        raise TypeError(f"cu_seq must be a (B, MAX_DOCS+1) int32 torch.Tensor, got {type(cu_seq).__name__}")
+    if cu_seq.dtype != torch.int32:
+        raise TypeError(f"cu_seq must have dtype torch.int32, got {cu_seq.dtype}")
+    if cu_seq.dim() != 2:
+        raise ValueError(f"cu_seq must have shape (B, MAX_DOCS+1) (2 dims), got shape {tuple(cu_seq.shape)}")
+    if cu_seq.shape[0] != batch:
+        raise ValueError(f"cu_seq must have one row per batch element: expected {batch} rows, got {cu_seq.shape[0]}")
+    if cu_seq.shape[1] < 2:
+        raise ValueError(f"cu_seq needs at least 2 columns (MAX_DOCS >= 1), got shape {tuple(cu_seq.shape)}")
+    if cu_seq.device != device:
+        raise ValueError(f"cu_seq must be on the query's device {device}, got {cu_seq.device}")
+    in_range = (cu_seq >= 0) & (cu_seq <= seq_len)
+    ok = (
+        in_range.all()
+        & (cu_seq[:, 0] == 0).all()
+        & (cu_seq[:, -1] == seq_len).all()
+        & (cu_seq[:, 1:] >= cu_seq[:, :-1]).all()
+    )
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, "cu_seq rows must start at 0, end at S and be non-decreasing")
+        return
+    if bool(ok):  # the one host read of the call
+        return
+    # Error path only: find the first offending row for the message.
+    bad_range = (~in_range).any(dim=1)
+    bad_start = cu_seq[:, 0] != 0
+    bad_end = cu_seq[:, -1] != seq_len
+    bad_order = (cu_seq[:, 1:] < cu_seq[:, :-1]).any(dim=1)
+    for what, mask in (
+        (f"values outside [0, S={seq_len}]", bad_range),
+        ("does not start at 0", bad_start),
+        (f"does not end at S={seq_len} (pad short rows by repeating S)", bad_end),
+        ("is decreasing (boundaries must be non-decreasing)", bad_order),
+    ):
+        rows = mask.nonzero().flatten().tolist()
+        if rows:
+            b = rows[0]
+            raise ValueError(f"cu_seq row {b} {what}: {cu_seq[b].tolist()}")
+    raise ValueError(f"cu_seq is not a valid boundary table for S={seq_len}")  # pragma: no cover
+
+
+def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, S, H, D) (4 dims), got shape {tuple(t.shape)}")
+    if key.shape[:3] != value.shape[:3] or query.shape[:2] != key.shape[:2]:
+        raise ValueError(
+            "query, key and value must share (B, S) and key/value must share H_kv, got "
+            f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    if query.shape[3] != key.shape[3]:
+        raise ValueError(f"query and key must have the same head dim, got {query.shape[3]} and {key.shape[3]}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
+    h_q, h_kv = query.shape[2], key.shape[2]
+    if not enable_gqa and h_q != h_kv:
+        raise ValueError(
+            f"query and key/value must have the same number of heads, got H={h_q} and H_kv={h_kv}; "
+            "pass enable_gqa=True for grouped-query attention"
+        )
+    if enable_gqa and (h_kv == 0 or h_q % h_kv != 0):
+        raise ValueError(f"with enable_gqa=True, H must be a multiple of H_kv, got H={h_q} and H_kv={h_kv}")
+
+
+def _mask(is_causal: bool, window_size: object) -> Tuple[str, Optional[Tuple[int, int]]]:
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    for side, v in zip(("left", "right"), window_size):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"window_size {side} must be an int, got {v!r}")
+        if v < -1:
+            raise ValueError(f"window_size {side} must be -1 (unbounded) or >= 0, got {v}")
+    left, right = int(window_size[0]), int(window_size[1])
+    if is_causal:
+        if right not in (-1, 0):
+            raise ValueError(f"is_causal=True allows window_size right of -1 or 0, got window_size={window_size!r}")
+        return "causal", (None if left == -1 else (left, 0))
+    if left == -1 and right == -1:
+        return "no_mask", None
+    return "no_mask", (left, right)
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) -> (B*S, H, D): a view when B and S are mergeable (always for BSHD-contiguous)."""
+    return t.reshape(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+
+def doc_packed_attn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    score_mod: object = None,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Attention within documents packed into uniform batch rows.
+
+    Args:
+        query: (B, S, H, D).  key: (B, S, H_kv, D).  value: (B, S, H_kv, D_v).
+        cu_seq: (B, MAX_DOCS+1) int32 per-row document boundaries: each row starts at 0, is
+            non-decreasing and ends at S (rows with fewer documents repeat S).
+        is_causal: causal within each document.
+        window_size: flash-style (left, right) window within each document, -1 unbounded
+            (queries and keys of a document have equal lengths, so alignment does not matter).
+        enable_gqa: allow H_kv < H (H % H_kv == 0).
+        score_mod: optional score modifier; its q_idx / kv_idx are positions within the document.
+        scale: softmax scale, default 1/sqrt(D).
+
+    Returns:
+        out (B, S, H, D_v), differentiable (the backward uses the saved output and log-sum-exp).
+
+    Cost: one device->host read per call to validate cu_seq values (eager mode); max_seqlen is S,
+    so there is no other synchronisation.
+    """
+    _check_qkv(query, key, value, enable_gqa)
+    batch, seq_len = query.shape[0], query.shape[1]
+    check_doc_boundaries(cu_seq, batch, seq_len, query.device)
+    mask_type, window = _mask(is_causal, window_size)
+    cu = doc_cu_seqlens(cu_seq, seq_len)
+    out = functional.dot_product_attention(
+        _packed(query),
+        _packed(key),
+        _packed(value),
+        qkv_format="thd",
+        attn_mask_type=mask_type,
+        window_size=window,
+        softmax_scale=scale,
+        score_mod=score_mod,
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=seq_len,
+        max_seqlen_kv=seq_len,
+    )
+    return out.view(batch, seq_len, out.shape[-2], out.shape[-1])

@@ -1,0 +1,195 @@
+"""Variable-length (packed) attention with the signature of `torch.nn.attention.varlen.varlen_attn`.
+
+A user swaps ``from torch.nn.attention.varlen import varlen_attn, AuxRequest`` for
+``from fused_attn import varlen_attn, AuxRequest`` and may additionally pass a ``score_mod``.
+
+Shape legend:
+    N: number of sequences            T_q / T_k: total query / key tokens (sum of lengths)
+    H_q / H_kv: query / key-value heads (H_kv == H_q unless enable_gqa)
+    D / D_v: query-key / value head dim
+
+Alignment (as flash-attention, and therefore torch's varlen_attn): causal masks and sliding
+windows are *bottom-right* aligned per sequence. With q_len / k_len the lengths of one sequence
+and shift = k_len - q_len, query i may attend key j iff
+
+    i + shift - left <= j <= i + shift + right      (left / right = -1: unbounded)
+
+so window_size=(-1, 0) (causal) with q_len=2, k_len=4 gives::
+
+    q\\k 0 1 2 3
+    0   x x x .
+    1   x x x x
+
+and a query row with no allowed key (q_len > k_len under causal) gets output 0 and lse -inf.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+
+from . import functional
+from .doc_packed import doc_packed_attn
+
+__all__ = ["AuxRequest", "varlen_attn", "doc_packed_attn"]
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs `varlen_attn` returns (lse: also return the log-sum-exp).
+
+    A frozen record with the same field and constructor as torch's ``AuxRequest``.
+    """
+
+    lse: bool = False
+
+
+def _check_window(window_size: object) -> Tuple[int, int]:
+    """Validate a flash-style (left, right) window; -1 means unbounded on that side."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(
+            f"window_size must be a (left, right) pair of ints, got {window_size!r}; "
+            "use (-1, -1) for full attention, (-1, 0) for causal"
+        )
+    for side, value in zip(("left", "right"), window_size):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"window_size {side} must be an int, got {value!r} ({type(value).__name__})")
+        if value < -1:
+            raise ValueError(f"window_size {side} must be -1 (unbounded) or >= 0, got {value}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_max(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def _check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
+    """torch's rule: mismatched head counts need enable_gqa=True and H_q % H_kv == 0."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have shape (T, H, D) (3 dims), got shape {tuple(t.shape)}")
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"key and value must agree on (T_k, H_kv), got key {tuple(key.shape)} and value {tuple(value.shape)}"
+        )
+    h_q, h_kv = query.shape[1], key.shape[1]
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
+    if not enable_gqa and h_q != h_kv:
+        raise ValueError(
+            f"query and key/value must have the same number of heads, got H_q={h_q} and H_kv={h_kv}; "
+            "pass enable_gqa=True for grouped-query attention"
+        )
+    if enable_gqa and (h_kv == 0 or h_q % h_kv != 0):
+        raise ValueError(f"with enable_gqa=True, H_q must be a multiple of H_kv, got H_q={h_q} and H_kv={h_kv}")
+
+
+def _mask_for_window(
+    left: int, right: int, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor
+) -> Tuple[str, Optional[Tuple[int, int]]]:
+    """Map a bottom-right-aligned flash window onto (attn_mask_type, window_size) of functional.
+
+    functional's windows are top-left aligned unless attn_mask_type is causal_bottom_right, so:
+    right == 0 windows use causal_bottom_right; a window with right != 0 is only expressible when
+    every sequence has q_len == k_len (then both alignments agree). That is checked with one
+    device->host comparison of cu_seq_q and cu_seq_k, skipped when they are the same tensor.
+    """
+    if left == -1 and right == -1:
+        return "no_mask", None
+    if right == 0:
+        return "causal_bottom_right", (None if left == -1 else (left, 0))
+    if cu_seq_q is not cu_seq_k and not (
+        cu_seq_q.shape == cu_seq_k.shape and bool(torch.equal(cu_seq_q, cu_seq_k))
+    ):
+        raise NotImplementedError(
+            f"window_size=({left}, {right}) with right != 0 needs equal query and key lengths per sequence "
+            "(cu_seq_q == cu_seq_k); bottom-right windows with right > 0 and unequal lengths are not supported. "
+            "Use right=0 (causal windows) or the same cu_seq for queries and keys"
+        )
+    return "no_mask", (left, right)
+
+
+def varlen_attn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: Optional[torch.Tensor],
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: Optional[AuxRequest] = None,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    score_mod: object = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention over packed variable-length sequences; drop-in for torch's ``varlen_attn``.
+
+    Args:
+        query: (T_q, H_q, D).  key: (T_k, H_kv, D).  value: (T_k, H_kv, D_v).
+        cu_seq_q / cu_seq_k: (N+1,) int32 cumulative token offsets (start at 0, end at T_q / T_k).
+        max_q / max_k: host ints >= the longest query / key sequence.
+        return_aux: ``AuxRequest(lse=True)`` also returns the log-sum-exp.
+        scale: softmax scale, default 1/sqrt(D).
+        window_size: (left, right), flash-style and bottom-right aligned per sequence (see module
+            docstring); (-1, -1) full, (-1, 0) causal, (W, 0) causal sliding window.
+        enable_gqa: allow H_kv < H_q (H_q % H_kv == 0); otherwise head counts must match.
+        score_mod: a ScoreMod (or anything `dot_product_attention(score_mod=...)` accepts),
+            applied to scaled scores before the mask.
+        seqused_k, block_table, num_splits: accepted for signature compatibility; anything but
+            None raises NotImplementedError.
+
+    Returns:
+        out (T_q, H_q, D_v) in the query's dtype, or (out, lse) with lse fp32 (H_q, T_q)
+        (the layout torch's varlen_attn actually returns), -inf on rows with no allowed key.
+        Differentiable with respect to query, key and value.
+    """
+    for name, arg in (("seqused_k", seqused_k), ("block_table", block_table), ("num_splits", num_splits)):
+        if arg is not None:
+            raise NotImplementedError(
+                f"varlen_attn: {name} (paged / split-KV decoding) is not supported, got {name}={arg!r}; "
+                "pass None, or use torch.nn.attention.varlen.varlen_attn"
+            )
+    if cu_seq_k is None:
+        raise NotImplementedError(
+            "varlen_attn: cu_seq_k=None is only meaningful with a paged KV cache (block_table), "
+            "which is not supported; pass the (N+1,) int32 key offsets"
+        )
+    if return_aux is not None and not isinstance(getattr(return_aux, "lse", None), bool):
+        raise TypeError(f"return_aux must be None or AuxRequest(lse=...), got {return_aux!r}")
+    _check_heads(query, key, value, enable_gqa)
+    for name, cu in (("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be an (N+1,) int32 torch.Tensor, got {type(cu).__name__}")
+    max_q = _check_max("max_q", max_q)
+    max_k = _check_max("max_k", max_k)
+    left, right = _check_window(window_size)
+    mask_type, window = _mask_for_window(left, right, cu_seq_q, cu_seq_k)
+    want_lse = bool(return_aux is not None and return_aux.lse)
+
+    result = functional.dot_product_attention(
+        query,
+        key,
+        value,
+        qkv_format="thd",
+        attn_mask_type=mask_type,
+        window_size=window,
+        softmax_scale=scale,
+        score_mod=score_mod,
+        cu_seqlens_q=cu_seq_q,
+        cu_seqlens_kv=cu_seq_k,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_k,
+        return_lse=want_lse,
+    )
+    return result

@@ -1,0 +1,147 @@
+"""doc_packed_attn against per-document naive attention; boundary helpers and validation errors."""
+
+import math
+
+import pytest
+import torch
+
+from fused_attn import doc_packed_attn
+from fused_attn.doc_packed import check_doc_boundaries, doc_cu_seqlens
+
+
+def naive_docs(q, k, v, cu_seq, is_causal=False, window_size=(-1, -1), scale=None, enable_gqa=False):
+    """(B,S,H,D) per-document attention in q's dtype; rows of empty documents never occur."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    window = window_size
+    h, hkv = q.shape[2], k.shape[2]
+    out = q.new_zeros(q.shape[:3] + (v.shape[-1],))
+    for b, row in enumerate(cu_seq.tolist()):
+        for s0, s1 in zip(row[:-1], row[1:]):
+            if s1 == s0:
+                continue
+            qs = q[b, s0:s1].transpose(0, 1)
+            ks = k[b, s0:s1].transpose(0, 1).repeat_interleave(h // hkv, 0)
+            vs = v[b, s0:s1].transpose(0, 1).repeat_interleave(h // hkv, 0)
+            s = qs @ ks.transpose(-1, -2) * scale
+            d = torch.arange(s1 - s0).view(1, -1) - torch.arange(s1 - s0).view(-1, 1)
+            ok = torch.ones_like(d, dtype=torch.bool)
+            right = 0 if is_causal else window[1]
+            if window[0] >= 0:
+                ok &= d >= -window[0]
+            if right >= 0:
+                ok &= d <= right
+            out[b, s0:s1] = (torch.softmax(s.masked_fill(~ok, float("-inf")), -1) @ vs).transpose(0, 1)
+    return out
+
+
+def make(b=3, s=12, h=4, hkv=4, d=16, dtype=torch.float32, grad=False):
+    mk = lambda hh: torch.randn(b, s, hh, d, dtype=dtype, requires_grad=grad)
+    return mk(h), mk(hkv), mk(hkv)
+
+
+CU = torch.tensor([[0, 5, 6, 12], [0, 12, 12, 12], [0, 1, 2, 12]], dtype=torch.int32)
+
+
+def check(q, k, v, cu, **kw):
+    out = doc_packed_attn(q, k, v, cu, **kw)
+    ref = naive_docs(q.double(), k.double(), v.double(), cu, **kw)
+    same = naive_docs(q, k, v, cu, **kw)
+    tol = 3 * (same.double() - ref).abs().max().item() + 1e-5
+    assert out.shape == q.shape[:3] + (v.shape[-1],) and out.dtype == q.dtype
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, f"err {err} > tol {tol}"
+    return out
+
+
+def test_doc_cu_seqlens_global_offsets_and_sentinels():
+    got = doc_cu_seqlens(CU, 12)
+    expected = torch.tensor([0, 5, 6, 12, 24, 24, 24, 25, 26, 36], dtype=torch.int32)
+    assert got.dtype == torch.int32 and torch.equal(got, expected)
+    # sentinel documents are zero-length sequences; total is B*S
+    lengths = got[1:] - got[:-1]
+    assert lengths.tolist() == [5, 1, 6, 12, 0, 0, 1, 1, 10]
+
+
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"window_size": (2, 1)}, {"is_causal": True, "window_size": (3, -1)}])
+def test_matches_per_document_naive(kw):
+    check(*make(), CU, **kw)
+
+
+def test_gqa_and_scale():
+    check(*make(h=6, hkv=3), CU, enable_gqa=True, scale=0.2, is_causal=True)
+
+
+def test_documents_do_not_see_each_other():
+    q, k, v = make()
+    out = doc_packed_attn(q, k, v, CU)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 6:] = torch.randn_like(k2[0, 6:])  # change only the third document of row 0
+    v2[0, 6:] = torch.randn_like(v2[0, 6:])
+    out2 = doc_packed_attn(q, k2, v2, CU)
+    assert torch.equal(out[0, :6], out2[0, :6]) and torch.equal(out[1:], out2[1:])
+    assert not torch.allclose(out[0, 6:], out2[0, 6:])
+
+
+def test_grads_match_naive():
+    q, k, v = make(b=2, s=9, h=4, hkv=2, grad=True)
+    cu = torch.tensor([[0, 4, 9, 9], [0, 1, 3, 9]], dtype=torch.int32)
+    out = doc_packed_attn(q, k, v, cu, is_causal=True, enable_gqa=True)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    refs = {}
+    for dt in (torch.float32, torch.float64):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        refs[dt] = torch.autograd.grad(naive_docs(*leaves, cu, is_causal=True), leaves, g.to(dt))
+    for name, a, r32, r64 in zip("qkv", got, refs[torch.float32], refs[torch.float64]):
+        tol = 3 * (r32.double() - r64).abs().max().item() + 1e-5
+        assert (a.double() - r64).abs().max().item() <= tol, name
+
+
+def test_bf16():
+    check(*make(dtype=torch.bfloat16), CU, is_causal=True)
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cu, exc, match",
+    [
+        (CU.long(), TypeError, "cu_seq must have dtype torch.int32, got torch.int64"),
+        (CU[0], ValueError, r"cu_seq must have shape \(B, MAX_DOCS\+1\) \(2 dims\), got shape \(4,\)"),
+        (CU[:2], ValueError, "expected 3 rows, got 2"),
+        (CU[:, :1], ValueError, "at least 2 columns"),
+        ([[0, 12]] * 3, TypeError, "cu_seq must be a .* torch.Tensor, got list"),
+        (torch.tensor([[0, 13, 12]] * 3, dtype=torch.int32), ValueError, r"row 0 values outside \[0, S=12\]"),
+        (torch.tensor([[0, 12], [1, 12], [0, 12]], dtype=torch.int32), ValueError, "row 1 does not start at 0"),
+        (torch.tensor([[0, 12], [0, 12], [0, 11]], dtype=torch.int32), ValueError, "row 2 does not end at S=12"),
+        (torch.tensor([[0, 6, 5, 12]] * 3, dtype=torch.int32), ValueError, "row 0 is decreasing"),
+    ],
+)
+def test_cu_seq_errors(cu, exc, match):
+    q, k, v = make()
+    with pytest.raises(exc, match=match):
+        doc_packed_attn(q, k, v, cu)
+
+
+def test_cu_seq_device_checked():
+    with pytest.raises(ValueError, match="cu_seq must be on the query's device meta, got cpu"):
+        check_doc_boundaries(CU, 3, 12, torch.device("meta"))
+
+
+def test_qkv_errors():
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"key must have shape \(B, S, H, D\) \(4 dims\)"):
+        doc_packed_attn(q, k[0], v, CU)
+    with pytest.raises(ValueError, match="must share"):
+        doc_packed_attn(q, k[:, :6], v[:, :6], CU)
+    with pytest.raises(ValueError, match="same head dim, got 16 and 8"):
+        doc_packed_attn(q, k[..., :8], v, CU)
+    with pytest.raises(ValueError, match="same number of heads, got H=4 and H_kv=2"):
+        doc_packed_attn(q, k[:, :, :2], v[:, :, :2], CU)
+    with pytest.raises(ValueError, match="multiple of H_kv, got H=4 and H_kv=3"):
+        doc_packed_attn(q, k[:, :, :3], v[:, :, :3], CU, enable_gqa=True)
+    with pytest.raises(ValueError, match="is_causal=True allows window_size right of -1 or 0"):
+        doc_packed_attn(q, k, v, CU, is_causal=True, window_size=(2, 2))
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        doc_packed_attn(q, k, v, CU, is_causal=1)

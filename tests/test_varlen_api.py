@@ -1,0 +1,246 @@
+"""varlen_attn (torch's varlen signature) against a per-sequence float64 naive attention, on CPU."""
+
+import math
+
+import pytest
+import torch
+
+import fused_attn
+from fused_attn import AuxRequest, varlen_attn
+from score_mods.base import ScoreMod
+
+
+class EagerSoftcap(ScoreMod):
+    """A reference-only softcap used to check that score_mod reaches the backend."""
+
+    name = "test_softcap"
+
+    def __init__(self, cap: float):
+        self.cap = cap
+
+    @property
+    def cache_key(self):
+        return ("test_softcap",)
+
+    def scalars(self):
+        return {"cap": self.cap}
+
+    def eager(self, score, b, h, q_idx, kv_idx, q_len, kv_len):
+        return self.cap * torch.tanh(score / self.cap)
+
+    def lower_forward(self, graph, score, operands, memo):  # pragma: no cover - CPU tests only
+        raise NotImplementedError
+
+
+def naive_varlen(q, k, v, cu_q, cu_k, window=(-1, -1), scale=None, score_mod=None):
+    """Per-sequence attention in q's dtype; flash-style bottom-right windows. -> out (T,H,Dv), lse (H,T)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    h, hkv = q.shape[1], k.shape[1]
+    outs, lses = [], []
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        qs = q[cq[b] : cq[b + 1]].transpose(0, 1)
+        ks = k[ck[b] : ck[b + 1]].transpose(0, 1).repeat_interleave(h // hkv, 0)
+        vs = v[ck[b] : ck[b + 1]].transpose(0, 1).repeat_interleave(h // hkv, 0)
+        lq, lk = qs.shape[1], ks.shape[1]
+        s = qs @ ks.transpose(-1, -2) * scale
+        i = torch.arange(lq).view(-1, 1)
+        j = torch.arange(lk).view(1, -1)
+        if score_mod is not None:
+            s = score_mod.eager(s[None], None, None, i, j, lq, lk)[0]
+        d = j - (i + lk - lq)
+        ok = torch.ones(lq, lk, dtype=torch.bool)
+        if window[0] >= 0:
+            ok &= d >= -window[0]
+        if window[1] >= 0:
+            ok &= d <= window[1]
+        s = s.masked_fill(~ok, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        p = torch.exp(s - safe[..., None])
+        outs.append((p @ vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def make(lens_q, lens_k, h=4, hkv=4, d=16, dv=16, dtype=torch.float32, grad=False):
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, h, d, dtype=dtype, requires_grad=grad)
+    k = torch.randn(tk, hkv, d, dtype=dtype, requires_grad=grad)
+    v = torch.randn(tk, hkv, dv, dtype=dtype, requires_grad=grad)
+    cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+def tol_vs_f64(q, k, v, cu_q, cu_k, **kw):
+    """3 x (fp32 naive vs float64 naive) + floor, for outputs and lse."""
+    o32, l32 = naive_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, **kw)
+    o64, l64 = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, **kw)
+    fin = torch.isfinite(l64)
+    return 3 * (o32.double() - o64).abs().max().item() + 1e-5, 3 * (l32.double() - l64)[fin].abs().max().item() + 1e-5
+
+
+def close(actual, expected, tol):
+    assert actual.shape == expected.shape
+    fin = torch.isfinite(expected)
+    assert torch.equal(torch.isfinite(actual), fin), "infinite entries differ"
+    assert torch.equal(actual[~fin], expected[~fin].to(actual.dtype))
+    err = (actual.double() - expected.double())[fin].abs().max().item() if fin.any() else 0.0
+    assert err <= tol, f"max err {err} > tol {tol}"
+
+
+LENS = [
+    ([5, 9, 1, 16], [5, 9, 1, 16]),
+    ([0, 7, 1, 0, 12], [0, 7, 1, 0, 12]),  # zero-length and length-1 sequences
+    ([3, 9, 4], [8, 2, 4]),  # q_len != k_len per sequence
+]
+WINDOWS = [(-1, -1), (-1, 0), (3, 0), (2, 1), (0, 0), (4, -1)]
+
+
+@pytest.mark.parametrize("lens", LENS)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_forward_and_lse_match_naive(lens, window):
+    q, k, v, cu_q, cu_k = make(*lens)
+    if window[1] not in (0,) and window != (-1, -1) and lens[0] != lens[1]:
+        with pytest.raises(NotImplementedError, match="right != 0 needs equal query and key lengths"):
+            varlen_attn(q, k, v, cu_q, cu_k, max(lens[0]), max(lens[1]), window_size=window)
+        return
+    out, lse = varlen_attn(
+        q, k, v, cu_q, cu_k, max(lens[0]), max(lens[1]), window_size=window, return_aux=AuxRequest(lse=True)
+    )
+    ref_o, ref_l = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=window)
+    tol_o, tol_l = tol_vs_f64(q, k, v, cu_q, cu_k, window=window)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert lse.shape == (q.shape[1], q.shape[0])  # (H, T) like torch's varlen_attn
+    assert not torch.isnan(out).any()
+    close(out, ref_o, tol_o)
+    close(lse, ref_l, tol_l)
+
+
+def test_causal_rows_without_keys_are_zero_with_lse_minus_inf():
+    # q_len 4 > k_len 2, bottom-right causal: the first two query rows see no key.
+    q, k, v, cu_q, cu_k = make([4], [2])
+    out, lse = varlen_attn(q, k, v, cu_q, cu_k, 4, 2, window_size=(-1, 0), return_aux=AuxRequest(lse=True))
+    assert torch.equal(out[:2], torch.zeros_like(out[:2]))
+    assert torch.isinf(lse[:, :2]).all() and (lse[:, :2] < 0).all()
+    assert torch.isfinite(lse[:, 2:]).all()
+
+
+def test_returns_plain_tensor_without_aux_and_with_lse_false():
+    q, k, v, cu_q, cu_k = make([4, 6], [4, 6])
+    assert isinstance(varlen_attn(q, k, v, cu_q, cu_k, 6, 6), torch.Tensor)
+    assert isinstance(varlen_attn(q, k, v, cu_q, cu_k, 6, 6, return_aux=AuxRequest()), torch.Tensor)
+
+
+def test_gqa_scale_and_value_dim():
+    q, k, v, cu_q, cu_k = make([6, 3, 11], [6, 3, 11], h=6, hkv=2, dv=8)
+    out = varlen_attn(q, k, v, cu_q, cu_k, 11, 11, enable_gqa=True, scale=0.3, window_size=(-1, 0))
+    ref, _ = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(-1, 0), scale=0.3)
+    tol, _ = tol_vs_f64(q, k, v, cu_q, cu_k, window=(-1, 0), scale=0.3)
+    assert out.shape == (20, 6, 8)
+    close(out, ref, tol)
+
+
+def test_score_mod_softcap():
+    q, k, v, cu_q, cu_k = make([5, 12], [5, 12])
+    q = q * 4  # large scores so the cap matters
+    sm = EagerSoftcap(2.0)
+    out = varlen_attn(q, k, v, cu_q, cu_k, 12, 12, window_size=(-1, 0), score_mod=sm)
+    ref, _ = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(-1, 0), score_mod=sm)
+    plain, _ = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(-1, 0))
+    tol, _ = tol_vs_f64(q, k, v, cu_q, cu_k, window=(-1, 0), score_mod=sm)
+    close(out, ref, tol)
+    assert (plain - ref).abs().max() > 10 * tol  # the modifier changes the answer
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 0)])
+def test_grads_match_naive_autograd(window):
+    lens_q = [0, 5, 1, 9]
+    lens_k = [3, 5, 1, 9] if window == (-1, -1) else [0, 5, 1, 9]
+    q, k, v, cu_q, cu_k = make(lens_q, lens_k, h=4, hkv=2, grad=True)
+    out = varlen_attn(q, k, v, cu_q, cu_k, 9, 9, window_size=window, enable_gqa=True)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    refs = {}
+    for dt in (torch.float32, torch.float64):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
+        o, _ = naive_varlen(*leaves, cu_q, cu_k, window=window)
+        refs[dt] = torch.autograd.grad(o, leaves, g.to(dt))
+    for name, got, r32, r64 in zip("qkv", grads, refs[torch.float32], refs[torch.float64]):
+        tol = 3 * (r32.double() - r64).abs().max().item() + 1e-5
+        err = (got.double() - r64).abs().max().item()
+        assert err <= tol, f"d{name}: err {err} > tol {tol}"
+
+
+def test_bf16_matches_naive():
+    q, k, v, cu_q, cu_k = make([7, 16], [7, 16], dtype=torch.bfloat16)
+    out = varlen_attn(q, k, v, cu_q, cu_k, 16, 16, window_size=(-1, 0))
+    ref, _ = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(-1, 0))
+    same, _ = naive_varlen(q, k, v, cu_q, cu_k, window=(-1, 0))  # bf16 torch math
+    tol = 3 * (same.double() - ref).abs().max().item() + 1e-2
+    assert out.dtype == torch.bfloat16
+    close(out, ref, tol)
+
+
+def test_aux_request_is_frozen_like_torch():
+    a = AuxRequest(lse=True)
+    assert a.lse and not AuxRequest().lse
+    with pytest.raises(AttributeError):
+        a.lse = False  # type: ignore[misc]
+
+
+def test_exported_from_package():
+    assert fused_attn.varlen_attn is varlen_attn and fused_attn.AuxRequest is AuxRequest
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def _args():
+    return make([4, 6], [4, 6], h=4, hkv=2)
+
+
+def test_gqa_needs_enable_gqa():
+    q, k, v, cu_q, cu_k = _args()
+    with pytest.raises(ValueError, match=r"same number of heads, got H_q=4 and H_kv=2.*enable_gqa=True"):
+        varlen_attn(q, k, v, cu_q, cu_k, 6, 6)
+
+
+def test_gqa_heads_not_multiple():
+    q, k, v, cu_q, cu_k = make([4], [4], h=4, hkv=3)
+    with pytest.raises(ValueError, match=r"multiple of H_kv, got H_q=4 and H_kv=3"):
+        varlen_attn(q, k, v, cu_q, cu_k, 4, 4, enable_gqa=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"seqused_k": torch.tensor([4, 6], dtype=torch.int32)}, NotImplementedError, "seqused_k"),
+        ({"block_table": torch.zeros(2, 1, dtype=torch.int32)}, NotImplementedError, "block_table"),
+        ({"num_splits": 1}, NotImplementedError, "num_splits"),
+        ({"window_size": (-2, 0)}, ValueError, r"window_size left must be -1 \(unbounded\) or >= 0, got -2"),
+        ({"window_size": (1.5, 0)}, TypeError, "window_size left must be an int, got 1.5"),
+        ({"window_size": (1, 2, 3)}, ValueError, r"window_size must be a \(left, right\) pair"),
+        ({"return_aux": True}, TypeError, "return_aux must be None or AuxRequest"),
+    ],
+)
+def test_argument_errors(kwargs, exc, match):
+    q, k, v, cu_q, cu_k = _args()
+    with pytest.raises(exc, match=match):
+        varlen_attn(q, k, v, cu_q, cu_k, 6, 6, enable_gqa=True, **kwargs)
+
+
+def test_shape_and_max_errors():
+    q, k, v, cu_q, cu_k = _args()
+    with pytest.raises(ValueError, match=r"query must have shape \(T, H, D\) \(3 dims\), got shape \(10, 4\)"):
+        varlen_attn(q[..., 0], k, v, cu_q, cu_k, 6, 6, enable_gqa=True)
+    with pytest.raises(ValueError, match="key and value must agree on"):
+        varlen_attn(q, k, v[:3], cu_q, cu_k, 6, 6, enable_gqa=True)
+    with pytest.raises(TypeError, match="max_q must be an int, got 6.0"):
+        varlen_attn(q, k, v, cu_q, cu_k, 6.0, 6, enable_gqa=True)
+    with pytest.raises(ValueError, match="max_k must be >= 0, got -1"):
+        varlen_attn(q, k, v, cu_q, cu_k, 6, -1, enable_gqa=True)
+    with pytest.raises(NotImplementedError, match="cu_seq_k=None"):
+        varlen_attn(q, k, v, cu_q, None, 6, 6, enable_gqa=True)
+    with pytest.raises(TypeError, match="cu_seq_q must be an"):
+        varlen_attn(q, k, v, [0, 4, 10], cu_k, 6, 6, enable_gqa=True)

@@ -1,0 +1,92 @@
+"""GPU: varlen_attn against torch's own varlen_attn, doc_packed_attn against per-document SDPA (bf16)."""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _packed(lens, h, hkv, d, grad=True):
+    t = sum(lens)
+    mk = lambda hh: torch.randn(t, hh, d, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    return mk(h), mk(hkv), mk(hkv), cu
+
+
+def _fp32_reference(q, k, v, cu, window):
+    """Per-sequence fp32 attention with a flash-style window (equal q/k lengths)."""
+    outs = []
+    bounds = cu.tolist()
+    for s0, s1 in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[s0:s1].detach().float().transpose(0, 1) for x in (q, k, v))
+        ks = ks.repeat_interleave(qs.shape[0] // ks.shape[0], 0)
+        vs = vs.repeat_interleave(qs.shape[0] // vs.shape[0], 0)
+        d = torch.arange(s1 - s0, device=q.device).view(1, -1) - torch.arange(s1 - s0, device=q.device).view(-1, 1)
+        ok = torch.ones_like(d, dtype=torch.bool)
+        if window[0] >= 0:
+            ok &= d >= -window[0]
+        if window[1] >= 0:
+            ok &= d <= window[1]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=ok).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (128, 0)])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_matches_torch_varlen(window, gqa):
+    from torch.nn.attention.varlen import AuxRequest as TAux
+    from torch.nn.attention.varlen import varlen_attn as torch_varlen
+
+    from fused_attn import AuxRequest, varlen_attn
+
+    lens = [0, 1, 37, 256, 200, 511]
+    h, hkv = (8, 2) if gqa else (8, 8)
+    q, k, v, cu = _packed(lens, h, hkv, 128)
+    out, lse = varlen_attn(
+        q, k, v, cu, cu, 511, 511, window_size=window, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+    )
+    ref, ref_lse = torch_varlen(
+        q, k, v, cu, cu, 511, 511, window_size=window, enable_gqa=gqa, return_aux=TAux(lse=True)
+    )
+    tol = 3 * _err(ref, _fp32_reference(q, k, v, cu, window)) + 1e-2
+    assert _err(out, ref) <= tol
+    real = torch.isfinite(ref_lse) & (ref_lse.abs() < 1e30)
+    assert _err(lse[real], ref_lse[real]) <= 1e-2
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for name, a, b in zip("qkv", got, want):
+        scale = b.float().abs().max().item()
+        assert _err(a, b) <= 2e-2 * scale + 1e-2, name
+
+
+def test_doc_packed_matches_per_document_sdpa():
+    from fused_attn import doc_packed_attn
+
+    b, s, h, d = 2, 512, 8, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([[0, 100, 101, 512, 512], [0, 512, 512, 512, 512]], device="cuda", dtype=torch.int32)
+    out = doc_packed_attn(q, k, v, cu, is_causal=True)
+    ref = torch.empty_like(out)
+    ref32 = torch.empty(out.shape, device="cuda")
+    for bi, row in enumerate(cu.tolist()):
+        for s0, s1 in zip(row[:-1], row[1:]):
+            if s1 > s0:
+                sl = lambda x, dt: x[bi, s0:s1].transpose(0, 1).to(dt)
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                ref[bi, s0:s1] = sdpa(sl(q, q.dtype), sl(k, q.dtype), sl(v, q.dtype), is_causal=True).transpose(0, 1)
+                ref32[bi, s0:s1] = sdpa(sl(q, torch.float), sl(k, torch.float), sl(v, torch.float), is_causal=True).transpose(0, 1)
+    tol = 3 * _err(ref, ref32) + 1e-3
+    assert _err(out, ref32) <= tol
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(ref, (q, k, v), g)
+    for name, a, bb in zip("qkv", got, want):
+        assert _err(a, bb) <= 2e-2 * bb.float().abs().max().item() + 1e-2, name
