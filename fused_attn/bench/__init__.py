@@ -1,0 +1,106 @@
+"""Benchmarks of fused_attn against its peers: `python -m fused_attn bench [suite] [--quick] [--out DIR]`.
+
+Suites: host (host overhead, build times), dense, mods (score_mods), varlen; `all` runs them in
+that order (host first, so its first-build row is the process's first graph build). Every impl is
+checked against an fp32 torch reference before it is timed; a wrong result makes the exit status 1.
+Results: a printed table per suite plus `<out>/<suite>_<gpu>.csv` and `.md` with the versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .common import DEFAULT_OUT, environment, print_table, write_results
+from .runner import SuiteResult
+
+SUITES = ("host", "dense", "mods", "varlen")
+
+__all__ = ["main", "SUITES", "cpu_smoke"]
+
+
+def _suite_runner(name: str) -> Callable[[bool, torch.device], SuiteResult]:
+    if name == "host":
+        from .host import run
+    elif name == "dense":
+        from .dense import run
+    elif name == "mods":
+        from .bench_mods import run
+    else:
+        from .varlen import run
+    return run
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fused_attn bench", description=__doc__.splitlines()[0])
+    p.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all",))
+    p.add_argument("--quick", action="store_true", help="reduced grid (whole `all --quick` run: a few minutes)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="without a CUDA GPU: run the harness at tiny shapes on CPU (reference backend)")
+    return p
+
+
+def _report(name: str, result: SuiteResult, env: Dict[str, str], out: str) -> None:
+    print_table(name, result.rows, env)
+    if result.rows:
+        csv_path, md_path = write_results(name, result.rows, env, out, result.notes)
+        print(f"wrote {csv_path} and {md_path}")
+
+
+def cpu_smoke(out: str) -> SuiteResult:
+    """Tiny host, dense, score_mod, varlen and training-loop runs on CPU with the reference backend; writes smoke_cpu.csv/.md."""
+    from . import bench_mods, dense, host, varlen
+
+    cpu = torch.device("cpu")
+    result = SuiteResult(notes=["CPU smoke run of the harness (reference backend); timings are meaningless"])
+    result.extend(dense.run_one(2, 64, 4, 4, 16, True, cpu, seed=0))
+    result.extend(dense.run_one(1, 48, 4, 2, 16, False, cpu, seed=1))
+    result.extend(bench_mods.run(True, cpu, shape=(1, 2, 64, 16)))
+    result.extend(varlen.run_varlen_config([17, 64, 5], 2, 16, False, cpu, True))
+    result.extend(varlen.run_doc_packed(cpu, True, b=1, s=256, docs=3, h=2, d=16, causal=True))
+    result.extend(varlen.run_training_loop(cpu, 3, n=2, max_len=40, h=2, d=16))
+    result.extend(host.run(True, cpu))
+    _report("smoke", result, environment(cpu), out)
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the benchmark suites; returns the process exit status (1 if an impl was wrong or crashed)."""
+    args_list: List[str] = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["bench"]:
+        args_list = args_list[1:]
+    args = _parser().parse_args(args_list)
+    if not torch.cuda.is_available():
+        print("fused_attn benchmarks need a CUDA GPU; none is available.")
+        if not args.cpu_smoke:
+            return 0
+        result = cpu_smoke(args.out)
+        for f in result.failures:
+            print("FAILED:", f)
+        return 1 if result.failures else 0
+    device = torch.device("cuda")
+    env = environment(device)
+    print("fused_attn benchmarks: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    failures: List[str] = []
+    for name in SUITES if args.suite == "all" else (args.suite,):
+        try:
+            result = _suite_runner(name)(args.quick, device)
+        except Exception as exc:  # a whole suite could not run: report, keep going, fail at the end
+            traceback.print_exc()
+            failures.append(f"{name}: suite crashed: {type(exc).__name__}: {exc}")
+            continue
+        _report(name, result, env, args.out)
+        failures += result.failures
+        torch.cuda.empty_cache()
+    if failures:
+        print(f"\n{len(failures)} FAILURE(S):")
+        for f in failures:
+            print("  " + f)
+        return 1
+    print("\nall implementations matched the fp32 reference")
+    return 0

@@ -1,0 +1,166 @@
+"""score_mod benchmark: fused_attn score_mods vs compiled flex_attention, and causal via a
+score_mod vs cuDNN's own causal mask. B=2 H=16 S=4096 D=128 bf16, forward and forward + backward.
+
+Also checks that changing a softcap value reuses the cached graphs (cache_info().builds delta 0)
+and that the new value takes effect (result checked against the reference).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .common import Impl, attn_flops, check_impl, reference_attention, tolerances
+from .runner import SuiteResult, run_config
+
+B, H, S, D = 2, 16, 4096, 128
+REF_SCORES = 1 << 28
+_FLEX = {}
+
+
+def _compiled_flex() -> Callable:
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def alibi_slope_values(heads: int, device: torch.device) -> torch.Tensor:
+    """The usual ALiBi slopes 2^(-8 (i+1) / H), i = 0..H-1, fp32 (H,)."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)], device=device)
+
+
+class ModCase:
+    """One modifier: fused_attn variants (impl name -> call kwargs), a flex score_mod / block mask,
+    and the fp32 reference (score_fn and/or causal mask)."""
+
+    def __init__(self, name: str, fused_kwargs: Callable[[], Dict], score_fn: Optional[Callable] = None,
+                 causal: bool = False, flex_score: Optional[Callable] = None, flex_causal: bool = False):
+        self.name, self.fused_kwargs, self.score_fn, self.causal = name, fused_kwargs, score_fn, causal
+        self.flex_score, self.flex_causal = flex_score, flex_causal
+
+
+def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
+    """softcap(30), causal (score_mod and native), post_scale_bias, alibi."""
+    from score_mods.library import alibi, causal, post_scale_bias, softcap
+
+    cap = 30.0
+    gen = torch.Generator(device=device).manual_seed(1234)
+    bias = torch.randn(1, h, s, s, device=device, dtype=torch.float32, generator=gen)
+    slopes = alibi_slope_values(h, device)
+    capped = lambda sc, b_, h_, q, k: cap * torch.tanh(sc / cap)
+    biased = lambda sc, b_, h_, q, k: sc + bias[0, h_, q, k]
+    alibied = lambda sc, b_, h_, q, k: sc + slopes[h_] * (k - q).to(sc.dtype)
+    return [
+        ModCase("softcap(30)", lambda: {"fused_attn": {"score_mod": softcap(cap)}}, capped, flex_score=capped),
+        ModCase("causal", lambda: {"fused_attn_scoremod": {"score_mod": causal()},
+                                   "fused_attn_native": {"attn_mask_type": "causal"}}, causal=True, flex_causal=True),
+        ModCase("post_scale_bias", lambda: {"fused_attn": {"score_mod": post_scale_bias(bias)}}, biased,
+                flex_score=biased),
+        ModCase("alibi", lambda: {"fused_attn": {"score_mod": alibi(slopes)}}, alibied, flex_score=alibied),
+    ]
+
+
+def _fused_fn(kwargs: Dict, backend: str) -> Callable:
+    import fused_attn
+
+    return lambda q, k, v: fused_attn.dot_product_attention(q, k, v, qkv_format="bshd", backend=backend, **kwargs)
+
+
+def _flex_fn(case: ModCase, device: torch.device, b: int, s: int) -> Callable:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    flex = _compiled_flex()
+    block_mask = None
+    if case.flex_causal:
+        block_mask = create_block_mask(lambda b_, h_, q, k: q >= k, b, None, s, s, device=device)
+
+    def fn(q, k, v):
+        o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=case.flex_score,
+                 block_mask=block_mask)
+        return o.transpose(1, 2)
+
+    return fn
+
+
+def _impl(name: str, fn: Callable, q, k, v, do, required: bool) -> Impl:
+    def outputs():
+        out = fn(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+        return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+    return Impl(name, lambda: fn(q, k, v), lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), outputs,
+                required=required)
+
+
+def _reference(q, k, v, do, case: ModCase, hs: int, dtype) -> Dict[str, torch.Tensor]:
+    leaves = [t.detach()[:1, :, :hs].to(dtype).requires_grad_() for t in (q, k, v)]
+    s = q.shape[1]
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if case.causal else None
+    out = reference_attention(*[t.transpose(1, 2) for t in leaves], scale=1 / math.sqrt(q.shape[-1]),
+                              score_fn=case.score_fn, mask=mask, dtype=dtype).transpose(1, 2)
+    dq, dk, dv = torch.autograd.grad(out, leaves, do[:1, :, :hs].to(dtype))
+    return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def _inputs(device, b, h, s, d, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ts = [torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    return [t.requires_grad_() for t in ts[:3]] + [ts[3]]
+
+
+def _softcap_rebuild_check(q, k, v, do, hs, backend, select) -> SuiteResult:
+    """Change softcap 30 -> 20: graphs must be reused (builds delta 0) and the new value applied."""
+    import fused_attn
+    from score_mods.library import softcap
+
+    result = SuiteResult()
+    _impl("warm", _fused_fn({"score_mod": softcap(30.0)}, backend), q, k, v, do, True).outputs()
+    before = fused_attn.graph_cache.cache_info().builds
+    cap = 20.0
+    case = ModCase("softcap(20)", None, lambda sc, b_, h_, qi, ki: cap * torch.tanh(sc / cap))
+    impl = _impl("fused_attn", _fused_fn({"score_mod": softcap(cap)}, backend), q, k, v, do, True)
+    ref32 = _reference(q, k, v, do, case, hs, torch.float32)
+    tol = tolerances(ref32, _reference(q, k, v, do, case, hs, torch.bfloat16))
+    note = ""
+    try:
+        errs = check_impl(impl, ref32, tol, select)
+    except Exception as exc:
+        errs, note = {}, f"FAILED: {type(exc).__name__}: {exc}"
+        result.failures.append(f"mods / softcap 30 -> 20: {note}")
+    delta = fused_attn.graph_cache.cache_info().builds - before
+    if delta != 0:
+        result.failures.append(f"mods / softcap 30 -> 20: {delta} graph builds after a softcap value change (want 0)")
+    result.rows.append({"suite": "mods", "config": "softcap 30 -> 20 (fwd+bwd)", "mode": "rebuild",
+                        "impl": "fused_attn", "builds_delta": delta,
+                        "max_err": max(errs.values()) if errs else None, "note": note})
+    return result
+
+
+def run(quick: bool, device: torch.device, *, shape=(B, H, S, D), with_flex: bool = True) -> SuiteResult:
+    """All modifier cases at `shape` = (B, H, S, D) on `device` (CPU: reference backend, no flex)."""
+    b, h, s, d = shape
+    backend = "cudnn" if device.type == "cuda" else "reference"
+    with_flex = with_flex and device.type == "cuda"
+    q, k, v, do = _inputs(device, b, h, s, d, seed=7)
+    hs = max(1, min(h, REF_SCORES // (s * s)))
+    select = lambda key, t: t[:1, :, :hs]
+    result = SuiteResult(notes=["fused_attn: dot_product_attention(backend='cudnn'); flex: "
+                                "torch.compile(flex_attention) with a hand-written score_mod (causal: block mask)",
+                                "reference check on batch 0, all heads; tol = 3 x (bf16 torch err) + 1e-2"])
+    for case in cases(device, b, h, s):
+        impls = [_impl(name, _fused_fn(kw, backend), q, k, v, do, True) for name, kw in case.fused_kwargs().items()]
+        if with_flex and (case.flex_score is not None or case.flex_causal):
+            impls.append(_impl("flex_compiled", _flex_fn(case, device, b, s), q, k, v, do, False))
+        ref32 = _reference(q, k, v, do, case, hs, torch.float32)
+        tol = tolerances(ref32, _reference(q, k, v, do, case, hs, torch.bfloat16))
+        flops = {m: attn_flops(b, h, s, s, d, causal=case.causal, mode=m) for m in ("fwd", "fwd_bwd")}
+        config = f"{case.name} B{b} H{h} S{s} D{d}"
+        result.extend(run_config("mods", config, impls, ref32, tol, select, flops, device,
+                                 rep_ms=40.0 if quick else 80.0))
+        del ref32
+    result.extend(_softcap_rebuild_check(q, k, v, do, hs, backend, select))
+    return result

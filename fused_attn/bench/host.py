@@ -1,0 +1,159 @@
+"""Host overhead and graph build times of fused_attn at a tiny shape (B=1, H=1, S=128, D=64).
+
+Per-call host microseconds on a cache hit (time.perf_counter over many calls, one synchronize
+after the loop) for the fused_attn functional and module forward, a raw cuDNN graph execute and
+torch SDPA (cuDNN backend); the replay cost of a CUDA-graph-captured fused_attn forward; and the
+time of a first call on new shapes (graph builds), first in the process and later.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn.functional as F
+
+from .common import host_us_per_call, rel_max_err, reference_attention, synchronize
+from .runner import SuiteResult
+
+SHAPE = (1, 128, 1, 64)  # B, S, H, D (BSHD)
+OUT_TOL = 2e-2  # bf16 output vs fp32 at S=128: errors are ~4e-3
+
+
+def _rand(shape, device, gen):
+    return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
+
+
+def _ref(q, k, v) -> torch.Tensor:
+    t = [x.transpose(1, 2) for x in (q, k, v)]
+    return reference_attention(*t, scale=1 / math.sqrt(q.shape[-1])).transpose(1, 2)
+
+
+def _forwards(q, k, v, device) -> Dict[str, Callable[[], torch.Tensor]]:
+    import fused_attn
+
+    backend = "cudnn" if device.type == "cuda" else "reference"
+    module = fused_attn.DotProductAttention(q.shape[2], q.shape[3], qkv_format="bshd", backend=backend)
+    fns = {
+        "fused_attn functional": lambda: fused_attn.dot_product_attention(q, k, v, qkv_format="bshd", backend=backend),
+        "fused_attn module": lambda: module(q, k, v).view(q.shape),
+    }
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from .raw_cudnn import RawSdpa
+
+        raw = RawSdpa(q, k, v, causal=False, backward=False)
+        fns["raw_cudnn execute"] = raw.fwd
+
+        def torch_cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                      v.transpose(1, 2)).transpose(1, 2)
+
+        fns["torch_sdpa_cudnn"] = torch_cudnn
+    return fns
+
+
+def _cuda_graph_row(q, k, v, fn: Callable[[], torch.Tensor], calls: int) -> Dict[str, object]:
+    """Capture `fn` once, change the inputs in place, replay: check, then time replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    gen = torch.Generator(device=q.device).manual_seed(99)
+    for t in (q, k, v):
+        t.copy_(_rand(t.shape, q.device, gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    err = rel_max_err(out, _ref(q, k, v))
+    us = host_us_per_call(graph.replay, q.device, calls)
+    return {"impl": "fused_attn functional, CUDA graph replay", "us_per_call": us, "max_err": err}
+
+
+def _time_first_call(fn: Callable[[], object], device) -> float:
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _build_rows(device) -> List[Dict[str, object]]:
+    """Clear the cache, then time first calls on new shapes: forward, another forward, fwd+bwd."""
+    import fused_attn
+
+    backend = "cudnn" if device.type == "cuda" else "reference"
+    gen = torch.Generator(device=device).manual_seed(3)
+    rows = []
+    fused_attn.graph_cache.clear()
+    steps = [("first fwd call, new shape (first build after clear)", (1, 256, 2, 64), False),
+             ("first fwd call, second new shape", (1, 384, 2, 64), False),
+             ("first fwd+bwd call, third new shape", (1, 512, 2, 64), True)]
+    for label, shape, backward in steps:
+        q, k, v = [_rand(shape, device, gen).requires_grad_(backward) for _ in range(3)]
+
+        def call():
+            out = fused_attn.dot_product_attention(q, k, v, qkv_format="bshd", backend=backend)
+            if backward:
+                torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+        before = fused_attn.graph_cache.cache_info()
+        ms = _time_first_call(call, device)
+        after = fused_attn.graph_cache.cache_info()
+        hit_ms = _time_first_call(call, device)
+        rows.append({"impl": "fused_attn " + label, "config": "x".join(map(str, shape)) + " (BSHD)",
+                     "first_call_ms": ms, "cached_call_ms": hit_ms, "builds": after.builds - before.builds,
+                     "build_seconds": after.build_seconds - before.build_seconds})
+    return rows
+
+
+def run(quick: bool, device: torch.device) -> SuiteResult:
+    """Host overhead rows and build-time rows (order matters: run this suite first in a process)."""
+    result = SuiteResult(notes=["us_per_call: host time, perf_counter over N back-to-back calls, one sync after",
+                                "build rows: first call on a new shape after graph_cache.clear(); "
+                                "'first' is the first build of the process only when this suite runs first"])
+    calls = 500 if quick else 2000
+    build_rows = _build_rows(device)  # first: measures the process's first graph build
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = [_rand(SHAPE, device, gen) for _ in range(3)]
+    config = "x".join(map(str, SHAPE)) + " (BSHD) bf16"
+    for name, fn in _forwards(q, k, v, device).items():
+        row = {"suite": "host", "config": config, "mode": "fwd", "impl": name}
+        try:
+            err = rel_max_err(fn(), _ref(q, k, v))
+        except Exception as exc:
+            msg = f"{type(exc).__name__}: {exc}"
+            if name.startswith("fused_attn") or name.startswith("raw"):
+                result.failures.append(f"host / {name}: {msg}")
+            result.rows.append({**row, "note": "FAILED: " + msg})
+            continue
+        if not err <= OUT_TOL:
+            result.failures.append(f"host / {name}: rel max error {err:.3g} > {OUT_TOL}")
+            result.rows.append({**row, "max_err": err, "note": "WRONG"})
+            continue
+        result.rows.append({**row, "us_per_call": host_us_per_call(fn, device, calls), "max_err": err})
+    if device.type == "cuda":
+        import fused_attn
+
+        fn = lambda: fused_attn.dot_product_attention(q, k, v, qkv_format="bshd", backend="cudnn")
+        row = {"suite": "host", "config": config, "mode": "fwd"}
+        try:
+            row.update(_cuda_graph_row(q, k, v, fn, calls))
+            if not row["max_err"] <= OUT_TOL:
+                result.failures.append(f"host / CUDA graph replay: rel max error {row['max_err']:.3g} > {OUT_TOL}")
+                row["note"] = "WRONG after inputs changed"
+        except Exception as exc:
+            result.failures.append(f"host / CUDA graph capture of fused_attn: {type(exc).__name__}: {exc}")
+            row.update({"impl": "fused_attn functional, CUDA graph replay", "note": f"FAILED: {exc}"})
+        result.rows.append(row)
+    for r in build_rows:
+        result.rows.append({"suite": "host", "mode": "build", **r})
+    return result

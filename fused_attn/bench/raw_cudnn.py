@@ -1,0 +1,143 @@
+"""A hand-built cuDNN frontend SDPA graph pair (forward + backward), no library code.
+
+The "raw cuDNN graph" row of the dense benchmark: the same dims and layout as the library's
+call, built directly with `import cudnn` and executed into preallocated tensors, so the gap
+between this row and the fused_attn row is the library's own added cost.
+
+Shape legend: B batch, S sequence, H query heads, Hkv key-value heads, D head dim.
+Tensors are BSHD: q / out (B, S, H, D), k / v (B, S, Hkv, D); the graph sees logical
+(B, H, S, D) dims with BSHD strides.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+
+def _bshd_strides(seq: int, heads: int, dim: int) -> list:
+    return [seq * heads * dim, dim, heads * dim, 1]
+
+
+def _build(graph) -> None:
+    import cudnn
+
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+
+
+class RawSdpa:
+    """Forward and backward cuDNN SDPA graphs for one bf16 BSHD problem.
+
+    Args:
+        q: (B, S, H, D) bf16 CUDA tensor; k, v: (B, S, Hkv, D), contiguous.
+        causal: top-left causal mask (cuDNN's own).
+        backward: also build the backward graph (`fwd_bwd`).
+    After construction `fwd()` writes `out` (B, S, H, D) and `lse` (B, H, S, 1) fp32;
+    `fwd_bwd(do)` additionally writes `dq`, `dk`, `dv`.
+    """
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                 backward: bool = True, scale: Optional[float] = None) -> None:
+        import cudnn
+
+        if q.dtype != torch.bfloat16 or not q.is_cuda:
+            raise ValueError(f"RawSdpa needs bf16 CUDA tensors, got q {q.dtype} on {q.device}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4 or not t.is_contiguous():
+                raise ValueError(f"RawSdpa needs contiguous (B, S, H, D) tensors, got {name} {tuple(t.shape)}")
+        self.q, self.k, self.v = q, k, v
+        b, s, h, d = q.shape
+        hkv = k.shape[2]
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(d)
+        self.causal = causal
+        self.handle = cudnn.create_handle()
+        self._stream = None
+        self.out = torch.empty_like(q)
+        self.lse = torch.empty(b, h, s, 1, device=q.device, dtype=torch.float32)
+        self._fwd_graph, self._fwd_pack = self._forward_graph(b, s, h, hkv, d)
+        self._fwd_ws = torch.empty(self._fwd_graph.get_workspace_size(), device=q.device, dtype=torch.uint8)
+        self._bwd_graph = None
+        if backward:
+            self.dq, self.dk, self.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            self.do = torch.empty_like(q)
+            self._bwd_graph, self._bwd_pack = self._backward_graph(b, s, h, hkv, d)
+            self._bwd_ws = torch.empty(self._bwd_graph.get_workspace_size(), device=q.device, dtype=torch.uint8)
+
+    def _new_graph(self):
+        import cudnn
+
+        dt = cudnn.data_type
+        return cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
+                             compute_data_type=dt.FLOAT, handle=self.handle)
+
+    def _qkv(self, g, b, s, h, hkv, d):
+        import cudnn
+
+        bf16 = cudnn.data_type.BFLOAT16
+        qt = g.tensor(dim=[b, h, s, d], stride=_bshd_strides(s, h, d), data_type=bf16, name="q")
+        kt = g.tensor(dim=[b, hkv, s, d], stride=_bshd_strides(s, hkv, d), data_type=bf16, name="k")
+        vt = g.tensor(dim=[b, hkv, s, d], stride=_bshd_strides(s, hkv, d), data_type=bf16, name="v")
+        return qt, kt, vt
+
+    def _forward_graph(self, b, s, h, hkv, d):
+        import cudnn
+
+        dt = cudnn.data_type
+        g = self._new_graph()
+        qt, kt, vt = self._qkv(g, b, s, h, hkv, d)
+        o, stats = g.sdpa(q=qt, k=kt, v=vt, attn_scale=self.scale, generate_stats=True,
+                          use_causal_mask=self.causal, name="raw_sdpa")
+        o.set_output(True).set_dim([b, h, s, d]).set_stride(_bshd_strides(s, h, d)).set_data_type(dt.BFLOAT16)
+        stats.set_output(True).set_data_type(dt.FLOAT)
+        _build(g)
+        return g, {qt: self.q, kt: self.k, vt: self.v, o: self.out, stats: self.lse}
+
+    def _backward_graph(self, b, s, h, hkv, d):
+        import cudnn
+
+        dt = cudnn.data_type
+        g = self._new_graph()
+        qt, kt, vt = self._qkv(g, b, s, h, hkv, d)
+        st = _bshd_strides(s, h, d)
+        ot = g.tensor(dim=[b, h, s, d], stride=st, data_type=dt.BFLOAT16, name="o")
+        dot = g.tensor(dim=[b, h, s, d], stride=st, data_type=dt.BFLOAT16, name="dO")
+        lt = g.tensor(dim=[b, h, s, 1], stride=[h * s, s, 1, 1], data_type=dt.FLOAT, name="stats")
+        dq, dk, dv = g.sdpa_backward(q=qt, k=kt, v=vt, o=ot, dO=dot, stats=lt, attn_scale=self.scale,
+                                     use_causal_mask=self.causal, name="raw_sdpa_bwd")
+        dq.set_output(True).set_dim([b, h, s, d]).set_stride(st).set_data_type(dt.BFLOAT16)
+        for t in (dk, dv):
+            t.set_output(True).set_dim([b, hkv, s, d]).set_stride(_bshd_strides(s, hkv, d)).set_data_type(dt.BFLOAT16)
+        _build(g)
+        pack = {qt: self.q, kt: self.k, vt: self.v, ot: self.out, dot: self.do, lt: self.lse,
+                dq: self.dq, dk: self.dk, dv: self.dv}
+        return g, pack
+
+    def _set_stream(self) -> None:
+        import cudnn
+
+        stream = torch.cuda.current_stream().cuda_stream
+        if stream != self._stream:
+            cudnn.set_stream(handle=self.handle, stream=stream)
+            self._stream = stream
+
+    def fwd(self) -> torch.Tensor:
+        """Run the forward graph; returns `out` (B, S, H, D)."""
+        self._set_stream()
+        self._fwd_graph.execute(self._fwd_pack, self._fwd_ws, handle=self.handle)
+        return self.out
+
+    def fwd_bwd(self, do: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward then backward with upstream gradient `do` (B, S, H, D); returns (out, dq, dk, dv)."""
+        if self._bwd_graph is None:
+            raise ValueError("RawSdpa was built with backward=False; fwd_bwd is not available")
+        if do.data_ptr() != self.do.data_ptr():
+            self.do.copy_(do)
+        self.fwd()
+        self._bwd_graph.execute(self._bwd_pack, self._bwd_ws, handle=self.handle)
+        return self.out, self.dq, self.dk, self.dv

@@ -1,0 +1,241 @@
+"""Variable-length benchmark: fused_attn.varlen_attn vs torch's varlen_attn vs padded SDPA,
+doc_packed_attn vs flex_attention with a document block mask, and a training loop over random
+lengths counting graph builds.
+
+Shape legend: N sequences, T total tokens, H heads, D head dim; packed tensors are (T, H, D).
+FLOPs count real tokens only: sum_i 4*H*D*s_i^2 (half for causal).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Dict, List, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .common import Impl, check_impl, reference_attention, synchronize, tolerances, varlen_flops
+from .runner import SuiteResult, run_config
+
+N, MAX_LEN, H = 8, 2048, 16
+
+
+def random_lengths(n: int, max_len: int, multiple: int, seed: int) -> List[int]:
+    """n lengths, multiples of `multiple` in [multiple, max_len], from a seeded generator."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(1, max_len // multiple + 1, (n,), generator=gen) * multiple).tolist()
+
+
+def cu_seqlens(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """(N+1,) int32 cumulative offsets starting at 0."""
+    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+
+def _packed(total: int, h: int, d: int, device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ts = [torch.randn(total, h, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    return [t.requires_grad_() for t in ts[:3]] + [ts[3]]
+
+
+def reference_packed(q, k, v, do, lengths: Sequence[int], causal: bool, dtype) -> Dict[str, torch.Tensor]:
+    """Per-sequence reference on packed (T, H, D) tensors: out, dq, dk, dv in `dtype`."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    outs, start = [], 0
+    scale = 1 / math.sqrt(q.shape[-1])
+    for n in lengths:
+        sl = [t[start:start + n].transpose(0, 1).unsqueeze(0) for t in leaves]
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if causal else None
+        outs.append(reference_attention(*sl, scale=scale, mask=mask, dtype=dtype)[0].transpose(0, 1))
+        start += n
+    out = torch.cat(outs)
+    grads = torch.autograd.grad(out, leaves, do.to(dtype))
+    return {"out": out.detach(), "dq": grads[0], "dk": grads[1], "dv": grads[2]}
+
+
+def _autograd_impl(name: str, fn: Callable, ins, do, required: bool, to_packed=None, note: str = "") -> Impl:
+    unpack = to_packed or (lambda t: t)
+
+    def outputs():
+        out = fn(*ins)
+        grads = torch.autograd.grad(out, ins, do)
+        return {"out": unpack(out.detach()), "dq": unpack(grads[0]), "dk": unpack(grads[1]), "dv": unpack(grads[2])}
+
+    return Impl(name, lambda: fn(*ins), lambda: torch.autograd.grad(fn(*ins), ins, do), outputs, required, note)
+
+
+def _padded_impl(q, k, v, do, lengths, causal: bool) -> Impl:
+    """torch SDPA on the zero-padded (N, L, H, D) batch with a boolean key-padding (and causal) mask."""
+    n, lmax, dev = len(lengths), max(lengths), q.device
+    valid = torch.arange(lmax, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]  # (N, L)
+
+    def pad(t):
+        out = t.new_zeros(n, lmax, *t.shape[1:])
+        out[valid] = t.detach()
+        return out
+
+    qp, kp, vp = [pad(t).requires_grad_() for t in (q, k, v)]
+    mask = valid[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(lmax, lmax, dtype=torch.bool, device=dev).tril()
+
+    def fn(a, b, c):
+        o = F.scaled_dot_product_attention(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2), attn_mask=mask)
+        return o.transpose(1, 2)
+
+    return _autograd_impl("sdpa_padded", fn, (qp, kp, vp), pad(do), False, to_packed=lambda t: t[valid],
+                          note="inputs padded outside the timed call")
+
+
+def _varlen_impls(q, k, v, do, lengths, causal: bool, device) -> List[Impl]:
+    import fused_attn
+
+    cu, mx = cu_seqlens(lengths, device), max(lengths)
+    win = (-1, 0) if causal else (-1, -1)
+    impls = [_autograd_impl("fused_attn", lambda a, b, c: fused_attn.varlen_attn(a, b, c, cu, cu, mx, mx,
+                                                                                 window_size=win),
+                            (q, k, v), do, True)]
+    if device.type == "cuda":
+        from torch.nn.attention.varlen import varlen_attn as torch_varlen
+
+        impls.append(_autograd_impl("torch_varlen", lambda a, b, c: torch_varlen(a, b, c, cu, cu, mx, mx,
+                                                                                 window_size=win),
+                                    (q, k, v), do, False))
+        impls.append(_padded_impl(q, k, v, do, lengths, causal))
+    return impls
+
+
+def run_varlen_config(lengths: Sequence[int], h: int, d: int, causal: bool, device, quick: bool,
+                      seed: int = 0) -> SuiteResult:
+    """One packed batch: check then time fused_attn / torch varlen / padded SDPA."""
+    q, k, v, do = _packed(sum(lengths), h, d, device, seed)
+    ref32 = reference_packed(q, k, v, do, lengths, causal, torch.float32)
+    tol = tolerances(ref32, reference_packed(q, k, v, do, lengths, causal, torch.bfloat16))
+    flops = {m: varlen_flops(lengths, h, d, causal=causal, mode=m) for m in ("fwd", "fwd_bwd")}
+    config = f"varlen N{len(lengths)} max{max(lengths)} T{sum(lengths)} H{h} D{d}" + (" causal" if causal else "")
+    return run_config("varlen", config, _varlen_impls(q, k, v, do, lengths, causal, device), ref32, tol,
+                      lambda key, t: t, flops, device, rep_ms=40.0 if quick else 80.0)
+
+
+def _doc_bounds(b: int, s: int, docs: int, seed: int) -> torch.Tensor:
+    """(b, docs+1) int32 document offsets per row: 0, sorted distinct multiples of 64, s."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        cuts = (torch.randperm(s // 64 - 1, generator=gen)[: docs - 1] + 1).sort().values * 64
+        rows.append([0] + cuts.tolist() + [s])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int = 16, h: int = H, d: int = 64,
+                   causal: bool = False) -> SuiteResult:
+    """doc_packed_attn (q (B, S, H, D), cu_seq (B, docs+1)) vs flex_attention with a document block mask."""
+    import fused_attn
+
+    bounds = _doc_bounds(b, s, docs, seed=11)
+    lengths = (bounds[:, 1:] - bounds[:, :-1]).flatten().tolist()
+    cu_seq = bounds.to(device)
+    q, k, v, do = [t.view(b, s, h, d) if i == 3 else t.detach().view(b, s, h, d).requires_grad_()
+                   for i, t in enumerate(_packed(b * s, h, d, device, seed=5))]
+    flat = lambda t: t.reshape(b * s, h, d)
+    ref32 = reference_packed(flat(q), flat(k), flat(v), flat(do), lengths, causal, torch.float32)
+    tol = tolerances(ref32, reference_packed(flat(q), flat(k), flat(v), flat(do), lengths, causal, torch.bfloat16))
+    impls = [_autograd_impl("fused_attn", lambda a, bb, c: fused_attn.doc_packed_attn(a, bb, c, cu_seq,
+                                                                                      is_causal=causal),
+                            (q, k, v), do, True, to_packed=flat)]
+    if device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from .bench_mods import _compiled_flex
+
+        doc_id = torch.zeros(b, s, dtype=torch.int32, device=device)
+        for row in range(b):
+            doc_id[row] = torch.bucketize(torch.arange(s, device=device), bounds[row, 1:].to(device), right=True)
+
+        def mask_mod(bi, hi, qi, ki):
+            same = doc_id[bi, qi] == doc_id[bi, ki]
+            return (same & (qi >= ki)) if causal else same
+
+        block_mask = create_block_mask(mask_mod, b, None, s, s, device=device)
+        flex = _compiled_flex()
+        fn = lambda a, bb, c: flex(a.transpose(1, 2), bb.transpose(1, 2), c.transpose(1, 2),
+                                   block_mask=block_mask).transpose(1, 2)
+        impls.append(_autograd_impl("flex_docmask", fn, (q, k, v), do, False, to_packed=flat,
+                                    note="block mask built outside the timed call"))
+    flops = {m: varlen_flops(lengths, h, d, causal=causal, mode=m) for m in ("fwd", "fwd_bwd")}
+    config = f"doc_packed B{b} S{s} docs{docs} H{h} D{d}" + (" causal" if causal else "")
+    return run_config("varlen", config, impls, ref32, tol, lambda key, t: t, flops, device,
+                      rep_ms=40.0 if quick else 80.0)
+
+
+def run_training_loop(device, steps: int, *, n: int = N, max_len: int = MAX_LEN, h: int = H, d: int = 64,
+                      seed: int = 3) -> SuiteResult:
+    """fwd+bwd of varlen_attn over `steps` random-length batches vs the same count at fixed shapes.
+
+    Reports ms per step (host loop, one synchronize at the end, builds included) and the graph
+    builds of each run (graph cache cleared first).
+    """
+    import fused_attn
+
+    result = SuiteResult()
+    gen = torch.Generator().manual_seed(seed)
+    lens = [torch.randint(1, max_len + 1, (n,), generator=gen).tolist() for _ in range(steps)]
+    cus = [cu_seqlens(x, device) for x in lens]
+    qb, kb, vb, dob = _packed(n * max_len, h, d, device, seed)
+    # correctness on the first random batch (odd lengths, not multiples of 64)
+    t0 = sum(lens[0])
+    ins = [t[:t0] for t in (qb, kb, vb)]
+    ref32 = reference_packed(*ins, dob[:t0], lens[0], False, torch.float32)
+    tol = tolerances(ref32, reference_packed(*ins, dob[:t0], lens[0], False, torch.bfloat16))
+    impl = _autograd_impl("fused_attn", lambda a, b, c: fused_attn.varlen_attn(a, b, c, cus[0], cus[0], max(lens[0]),
+                                                                               max(lens[0])), ins, dob[:t0], True)
+    try:
+        check_impl(impl, ref32, tol, lambda key, t: t)
+    except Exception as exc:
+        result.failures.append(f"varlen / training loop first batch: {type(exc).__name__}: {exc}")
+        return result
+
+    def step(fn, x, cu):
+        t = sum(x)
+        a, b, c = qb[:t], kb[:t], vb[:t]
+        out = fn(a, b, c, cu, cu, max(x), max(x))
+        torch.autograd.grad(out, (a, b, c), dob[:t])
+
+    runs = [("fused_attn", fused_attn.varlen_attn, "random lengths", lens, cus),
+            ("fused_attn", fused_attn.varlen_attn, "fixed shape", [lens[0]] * steps, [cus[0]] * steps)]
+    if device.type == "cuda":
+        from torch.nn.attention.varlen import varlen_attn as torch_varlen
+
+        runs.append(("torch_varlen", torch_varlen, "random lengths", lens, cus))
+        runs.append(("torch_varlen", torch_varlen, "fixed shape", [lens[0]] * steps, [cus[0]] * steps))
+    for name, fn, label, xs, cs in runs:
+        fused_attn.graph_cache.clear()
+        info0 = fused_attn.graph_cache.cache_info()
+        synchronize(device)
+        start = time.perf_counter()
+        for x, cu in zip(xs, cs):
+            step(fn, x, cu)
+        synchronize(device)
+        ms = (time.perf_counter() - start) / steps * 1e3
+        info1 = fused_attn.graph_cache.cache_info()
+        builds = info1.builds - info0.builds if name == "fused_attn" else None
+        build_s = info1.build_seconds - info0.build_seconds if name == "fused_attn" else None
+        result.rows.append({"suite": "varlen", "config": f"train loop {steps} steps N{n} max{max_len} H{h} D{d}",
+                            "mode": label, "impl": name, "ms_per_step": ms, "builds": builds,
+                            "build_seconds": build_s, "note": "graph cache cleared first; builds included"})
+    return result
+
+
+def run(quick: bool, device: torch.device) -> SuiteResult:
+    """The varlen suite on `device`."""
+    result = SuiteResult(notes=["lengths: seeded random multiples of 64 up to 2048 (torch varlen_attn "
+                                "announcement setup: N=8, 16 heads, D=64, bf16)",
+                                "TFLOP/s over real tokens: sum_i 4*H*D*s_i^2, half for causal"])
+    lengths = random_lengths(N, MAX_LEN, 64, seed=0)
+    variants = [(64, False), (64, True), (128, False)]
+    for i, (d, causal) in enumerate(variants):
+        result.extend(run_varlen_config(lengths, H, d, causal, device, quick, seed=i))
+    for causal in ((False,) if quick else (False, True)):
+        result.extend(run_doc_packed(device, quick, causal=causal))
+    result.extend(run_training_loop(device, 200 if quick else 1000))
+    return result
