@@ -47,6 +47,10 @@ def can_serve(problem: AttentionProblem) -> Optional[str]:
             and q.shape[2] > k.shape[2]):
         return (f"cuDNN's bottom-right band needs Sq <= Skv with padded batches, got Sq={q.shape[2]} > "
                 f"Skv={k.shape[2]}")
+    mod = problem.score_mod
+    if mod is not None and mod.needs_host_lengths and problem.has_lengths:
+        return (f"score_mod {mod.name!r} compares positions against per-sequence lengths "
+                "(bottom-right alignment), which cuDNN computes wrongly on packed or padded batches")
     return version.unavailable_reason()
 
 
@@ -96,6 +100,9 @@ def _score_mod_operands(problem: AttentionProblem, sq: int, skv: int, lengths_in
     if mod is None:
         return {}
     operands = dict(mod.cudnn_operands())
+    if mod.needs_host_lengths and not lengths_in_graph:
+        # kv_len - q_len style folds: the engines get that arithmetic wrong in-graph.
+        operands.update(mod.length_operands(sq, skv))
     if mod.uses_lengths and not lengths_in_graph:
         operands["q_len"], operands["kv_len"] = _len_scalar(sq), _len_scalar(skv)
     return operands

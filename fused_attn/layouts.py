@@ -1,0 +1,79 @@
+"""qkv_format <-> logical (B, H, S, D) views, without copies.
+
+Formats (shape legend in `fused_attn.problem`):
+    bshd: (B, S, H, D)   sbhd: (S, B, H, D)   bhsd: (B, H, S, D)   thd: (T, H, D) packed
+
+Dense formats map to the logical (B, H, S, D) order by a permute (a view); the memory layout
+stays in the strides. thd has no 4-D logical view: backends read it per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .problem import AttentionProblem
+
+DENSE_FORMATS = ("bshd", "sbhd", "bhsd")
+
+# Permutation taking a format tensor to logical (B, H, S, D), and its inverse.
+_TO_LOGICAL = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
+_FROM_LOGICAL = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3), "bhsd": (0, 1, 2, 3)}
+
+
+def to_logical(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """Format tensor -> logical (B, H, S, D) view (dense formats only)."""
+    return t.permute(_TO_LOGICAL[qkv_format])
+
+
+def from_logical(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """Logical (B, H, S, D) view -> the format's dim order (a view)."""
+    return t.permute(_FROM_LOGICAL[qkv_format])
+
+
+def format_shape(qkv_format: str, batch: int, heads: int, seqlen: int, head_dim: int) -> Tuple[int, ...]:
+    """Shape of a dense tensor in `qkv_format` for logical (batch, heads, seqlen, head_dim)."""
+    logical = (batch, heads, seqlen, head_dim)
+    return tuple(logical[i] for i in _FROM_LOGICAL[qkv_format])
+
+
+def dims(t: torch.Tensor, qkv_format: str) -> Tuple[int, int, int, int]:
+    """(B, H, S, D) of a dense tensor in `qkv_format` (thd: (1, H, T, D))."""
+    if qkv_format == "thd":
+        return 1, t.shape[1], t.shape[0], t.shape[2]
+    b, h, s, d = to_logical(t, qkv_format).shape
+    return b, h, s, d
+
+
+def in_query_layout(out_logical: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """Logical (B, H, Sq, Dv) -> same values as a logical view of memory laid out in `qkv_format`.
+
+    Differentiable (plain permute + contiguous); no copy when already in that order.
+    """
+    return to_logical(from_logical(out_logical, qkv_format).contiguous(), qkv_format)
+
+
+def lse_shape(problem: AttentionProblem) -> Tuple[int, ...]:
+    """(B, H, Sq) for dense problems, (H, Tq) for thd."""
+    q = problem.query
+    if problem.is_packed:
+        return q.shape[1], q.shape[0]
+    return q.shape[0], q.shape[1], q.shape[2]
+
+
+def empty_like_output(problem: AttentionProblem, *, zero: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the output: (out in the query's format with Dv, its logical view).
+
+    Dense: out (format shape, contiguous in format order), logical view (B, H, Sq, Dv).
+    thd: out (Tq, H, Dv), logical view (H, Tq, Dv). `zero=True` fills with zeros (thd gaps).
+    """
+    q, v = problem.query, problem.value
+    alloc = torch.zeros if zero else torch.empty
+    if problem.is_packed:
+        out = alloc((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype, device=q.device)
+        return out, out.permute(1, 0, 2)
+    b, h, sq, _ = q.shape
+    fmt = problem.qkv_format
+    out = alloc(format_shape(fmt, b, h, sq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    return out, to_logical(out, fmt)
