@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -222,5 +223,25 @@ GRAPH_CACHE = GraphCache()
 
 @atexit.register
 def _release_at_exit() -> None:
-    # Graphs alive at interpreter exit make the frontend's bindings print leak warnings.
+    """Release every frontend object we hold before the interpreter tears down its modules.
+
+    cuDNN graphs (and the score_mod callbacks holding their tensors) still alive at exit make the
+    frontend's bindings print "leaked instances" warnings. Besides the graph cache: the backend's
+    per-thread handles and per-stream workspaces, its key memo and prepared varlen batches, and
+    the score_mod lowering's memo caches. Modules never imported are skipped (nothing to free)."""
     GRAPH_CACHE.clear()
+    backend = sys.modules.get("fused_attn.backends.cudnn")
+    if backend is not None:
+        backend._KEY_MEMO.clear()
+        backend._LEN_SCALARS.clear()
+    runtime = sys.modules.get("fused_attn.backends.cudnn.runtime")
+    if runtime is not None:
+        runtime.release_all()
+    varlen = sys.modules.get("fused_attn.backends.cudnn.varlen")
+    if varlen is not None:
+        varlen._PREPARED.clear()
+    lower = sys.modules.get("score_mods.lower_cudnn")
+    if lower is not None:
+        for fn in (lower.is_scalar, lower.is_derived, lower.plan_for):
+            fn.cache_clear()
+    gc.collect()

@@ -48,8 +48,8 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
     """Validate ``cu_seq`` (B, MAX_DOCS+1) int32; raises TypeError/ValueError naming the problem.
 
     Structure (type, dtype, rank, batch, device) is checked on the host; values (start at 0,
-    end at S, non-decreasing, within [0, S]) with exactly one device->host read per call, in
-    eager mode. Under torch.compile the value check becomes an asynchronous device assert.
+    end at S, non-decreasing, within [0, S]) with one host read for CPU tables; for CUDA tables
+    and under torch.compile the value check is an asynchronous device assertion (no sync).
     """
     if not isinstance(cu_seq, torch.Tensor):
         raise TypeError(f"cu_seq must be a (B, MAX_DOCS+1) int32 torch.Tensor, got {type(cu_seq).__name__}")
@@ -70,10 +70,12 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
         & (cu_seq[:, -1] == seq_len).all()
         & (cu_seq[:, 1:] >= cu_seq[:, :-1]).all()
     )
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or cu_seq.device.type == "cuda":
+        # No host sync on the hot path: a bad table stops the program at the next synchronization
+        # with this device-side assertion (CPU tables raise ValueError right here).
         torch._assert_async(ok, "cu_seq rows must start at 0, end at S and be non-decreasing")
         return
-    if bool(ok):  # the one host read of the call
+    if bool(ok):  # CPU: a plain host read
         return
     # Error path only: find the first offending row for the message.
     bad_range = (~in_range).any(dim=1)
@@ -171,8 +173,8 @@ def doc_packed_attn(
     Returns:
         out (B, S, H, D_v), differentiable (the backward uses the saved output and log-sum-exp).
 
-    Cost: one device->host read per call to validate cu_seq values (eager mode); max_seqlen is S,
-    so there is no other synchronisation.
+    Cost: no device->host synchronisation on CUDA (cu_seq values are checked by an asynchronous
+    device assertion; max_seqlen is S).
     """
     _check_qkv(query, key, value, enable_gqa)
     batch, seq_len = query.shape[0], query.shape[1]

@@ -8,7 +8,7 @@ import torch
 
 from . import validation as V
 from .backends import select
-from .layouts import from_logical, to_logical
+from .layouts import from_logical, logical_shape, to_logical
 from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS, AttentionProblem, Band
 
 __all__ = ["dot_product_attention", "build_problem"]
@@ -119,11 +119,16 @@ def build_problem(query: Any, key: Any, value: Any, *, qkv_format: str = "bshd",
 
         mod = as_score_mod(score_mod, tensors=score_mod_tensors, bprop=score_mod_bprop,
                            bprop_tensors=score_mod_bprop_tensors)
+    native = getattr(mod, "native_band", None)
+    if native is not None:
+        as_band = Band(*native)
+        if band is None or band == as_band:  # a pure mask: the backend's own band serves it
+            band, mod = as_band, None
     if mod is not None:
         mod = _with_masks(mod, band, padded=lengths.seqlens_q is not None)
         band = None
-        heads = query.shape[-2] if packed else to_logical(query, qkv_format).shape[1]
-        batch = cu_seqlens_q.numel() - 1 if packed else to_logical(query, qkv_format).shape[0]
+        heads = logical_shape(query, qkv_format)[1]
+        batch = cu_seqlens_q.numel() - 1 if packed else logical_shape(query, qkv_format)[0]
         mod.check(device=query.device, batch=batch, heads=heads, seqlen_q=lengths.max_seqlen_q,
                   seqlen_kv=lengths.max_seqlen_kv)
     if packed:

@@ -27,6 +27,14 @@ def to_logical(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
     return t.permute(_TO_LOGICAL[qkv_format])
 
 
+def logical_shape(t: torch.Tensor, qkv_format: str) -> Tuple[int, ...]:
+    """(B, H, S, D) of a dense tensor without creating a view (thd: (1, H, T, D))."""
+    shape = t.shape
+    if qkv_format == "thd":
+        return 1, shape[1], shape[0], shape[2]
+    return tuple(shape[i] for i in _TO_LOGICAL[qkv_format])
+
+
 def from_logical(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
     """Logical (B, H, S, D) view -> the format's dim order (a view)."""
     return t.permute(_FROM_LOGICAL[qkv_format])
@@ -40,9 +48,7 @@ def format_shape(qkv_format: str, batch: int, heads: int, seqlen: int, head_dim:
 
 def dims(t: torch.Tensor, qkv_format: str) -> Tuple[int, int, int, int]:
     """(B, H, S, D) of a dense tensor in `qkv_format` (thd: (1, H, T, D))."""
-    if qkv_format == "thd":
-        return 1, t.shape[1], t.shape[0], t.shape[2]
-    b, h, s, d = to_logical(t, qkv_format).shape
+    b, h, s, d = logical_shape(t, qkv_format)
     return b, h, s, d
 
 

@@ -16,6 +16,13 @@ for backward. A backend whose ``forward`` returns a tensor there must provide
 ``saved_like(problem) -> Tensor`` (an empty tensor of the right shape, dtype and device that works
 on fake tensors) so the fake implementation can describe it; ``None`` travels as a (0,) tensor.
 
+Aliasing: a custom op's outputs may alias neither its inputs nor each other. A backend whose lse
+is a view of ``saved`` (cuDNN dense: lse is Stats (B, H, Sq, 1) squeezed) defines
+``lse_from_saved(problem, saved) -> Optional[Tensor]`` (the view, or None where lse is a tensor
+of its own; it must work on fake tensors): the op then returns a (0,) placeholder for lse and
+:func:`attention` takes the view outside the op, at no cost. Any other output that still shares
+storage with an input or an earlier output is cloned (a safety net; no backend needs it today).
+
 Limitations: gradients flow to query, key and value only (not to lse or score_mod tensors).
 """
 
@@ -78,7 +85,11 @@ def lookup_score_mod(key: str, scalars: Sequence[float], tensors: Sequence[torch
 
 
 def _backend(name: str):
-    return importlib.import_module(f"fused_attn.backends.{name}")
+    """fused_attn.backends.<name>; an attribute lookup once imported (traceable by dynamo)."""
+    from . import backends
+
+    mod = getattr(backends, name, None)
+    return mod if mod is not None else importlib.import_module(f"fused_attn.backends.{name}")
 
 
 def _problem(
@@ -123,7 +134,34 @@ def attn_fwd(
             f"backend {backend!r} returns a saved tensor but defines no saved_like(problem); "
             "it cannot run under torch.compile"
         )
-    return _in_layout(out, query), lse, saved
+    if _lse_from_saved(mod, problem, saved) is not None:
+        lse = saved.new_empty((0,))  # attention() takes the view of saved outside the op
+    inputs = (query, key, value, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+              cu_seqlens_kv_padded, score_mod_scalars, *score_mod_tensors)
+    return _unaliased((_in_layout(out, query), lse, saved), inputs)
+
+
+def _lse_from_saved(mod, problem: AttentionProblem, saved: torch.Tensor) -> Optional[torch.Tensor]:
+    """The backend's lse as a view of `saved`, or None when its lse is a tensor of its own."""
+    hook = getattr(mod, "lse_from_saved", None)
+    return None if hook is None else hook(problem, saved)
+
+
+def _unaliased(outputs: Sequence[torch.Tensor], inputs: Sequence[Optional[torch.Tensor]]) -> Tuple[torch.Tensor, ...]:
+    """`outputs` with any tensor that shares storage with an input or an earlier output cloned
+    (same strides), as custom ops require. Empty tensors get a fresh (free) storage of their own."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel() > 0}
+    result = []
+    for t in outputs:
+        if t.numel() == 0:
+            t = t.new_empty_strided(t.shape, t.stride())
+        else:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+            seen.add(t.untyped_storage().data_ptr())
+        result.append(t)
+    return tuple(result)
 
 
 def _empty_like_layout(t: torch.Tensor, last: int) -> torch.Tensor:
@@ -157,6 +195,8 @@ def _attn_fwd_fake(query, key, value, backend, qkv_format, scale, band, seqlens_
                            cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
                            max_seqlen_kv, score_mod_key, score_mod_scalars, score_mod_tensors, deterministic)
         saved = mod.saved_like(problem)
+        if _lse_from_saved(mod, problem, saved) is not None:
+            lse = saved.new_empty((0,))
     else:
         saved = query.new_empty((0,))
     return _in_layout(out, query), lse, saved
@@ -176,7 +216,9 @@ def attn_bwd(
                        max_seqlen_kv, score_mod_key, score_mod_scalars, score_mod_tensors, deterministic)
     saved_arg = None if saved.numel() == 0 and saved.dim() == 1 else saved
     grads = _backend(backend).backward(problem, out, saved_arg, grad_out)
-    return tuple(_in_layout(g, t) for g, t in zip(grads, (query, key, value)))
+    inputs = (grad_out, query, key, value, out, saved, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv,
+              cu_seqlens_q_padded, cu_seqlens_kv_padded, score_mod_scalars, *score_mod_tensors)
+    return _unaliased(tuple(_in_layout(g, t) for g, t in zip(grads, (query, key, value))), inputs)
 
 
 @attn_bwd.register_fake
@@ -235,10 +277,11 @@ def attention(problem: AttentionProblem, backend_name: str) -> Tuple[torch.Tenso
         tensors = list(sm.tensors().values())
     else:
         sm_key, scalars, tensors = "", torch.zeros(0, dtype=torch.float64), []
-    out, lse, _saved = attn_fwd(
+    out, lse, saved = attn_fwd(
         problem.query, problem.key, problem.value, backend_name, problem.qkv_format, float(problem.scale),
         _band_arg(problem.band), problem.seqlens_q, problem.seqlens_kv, problem.cu_seqlens_q,
         problem.cu_seqlens_kv, problem.cu_seqlens_q_padded, problem.cu_seqlens_kv_padded,
         problem.max_seqlen_q, problem.max_seqlen_kv, sm_key, scalars, tensors, bool(problem.deterministic),
     )
-    return out, lse
+    from_saved = _lse_from_saved(_backend(backend_name), problem, saved)
+    return out, (lse if from_saved is None else from_saved)

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .layouts import to_logical
+from .layouts import logical_shape
 from .problem import Band
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -95,24 +95,20 @@ def check_qkv(query: Any, key: Any, value: Any, qkv_format: str) -> None:
     if not query.device == key.device == value.device:
         raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device}, "
                          f"{value.device}")
-    if rank == 4:
-        q, k, v = (to_logical(t, qkv_format) for t in (query, key, value))
-        if not q.shape[0] == k.shape[0] == v.shape[0]:
-            raise ValueError(f"query, key and value must have one batch size, got {q.shape[0]}, {k.shape[0]}, "
-                             f"{v.shape[0]} (qkv_format={qkv_format!r})")
-        seq_k, seq_v = k.shape[2], v.shape[2]
-    else:
-        q, k, v = (t.unsqueeze(0).transpose(1, 2) for t in (query, key, value))
-        seq_k, seq_v = key.shape[0], value.shape[0]
+    q, k, v = (logical_shape(t, qkv_format) for t in (query, key, value))
+    if rank == 4 and not q[0] == k[0] == v[0]:
+        raise ValueError(f"query, key and value must have one batch size, got {q[0]}, {k[0]}, "
+                         f"{v[0]} (qkv_format={qkv_format!r})")
+    seq_k, seq_v = k[2], v[2]
     if seq_k != seq_v:
         raise ValueError(f"key and value must have one sequence length (token count), got {seq_k} and {seq_v}")
-    h, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+    h, hk, hv = q[1], k[1], v[1]
     if hk != hv:
         raise ValueError(f"key and value must have the same number of heads, got {hk} and {hv}")
     if hk < 1 or h % hk != 0:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk}) for GQA/MQA")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"query and key must have the same head dim, got {q.shape[3]} and {k.shape[3]}")
+    if q[3] != k[3]:
+        raise ValueError(f"query and key must have the same head dim, got {q[3]} and {k[3]}")
     for name, t in tensors:
         if t.shape[-1] < 1:
             raise ValueError(f"{name} must have a head dim >= 1, got shape {tuple(t.shape)}")
@@ -175,8 +171,8 @@ def check_lengths(qkv_format: str, attn_mask_type: str, query: torch.Tensor, key
         for arg, t in (("cu_seqlens_q_padded", cu_q_pad), ("cu_seqlens_kv_padded", cu_kv_pad)):
             if t is not None:
                 raise ValueError(f"{arg} is only accepted with qkv_format='thd', got qkv_format={qkv_format!r}")
-        ql, kl = to_logical(query, qkv_format), to_logical(key, qkv_format)
-        batch, sq, skv = ql.shape[0], ql.shape[2], kl.shape[2]
+        ql, kl = logical_shape(query, qkv_format), logical_shape(key, qkv_format)
+        batch, sq, skv = ql[0], ql[2], kl[2]
         if attn_mask_type not in PADDING_TYPES:
             if cu_q is not None or cu_kv is not None:
                 raise ValueError(
@@ -204,6 +200,9 @@ def check_lengths(qkv_format: str, attn_mask_type: str, query: torch.Tensor, key
             if t.numel() != cu_q.numel():
                 raise ValueError(f"{arg} must have the shape of cu_seqlens_q {tuple(cu_q.shape)}, got {tuple(t.shape)}")
             named.append((arg, t))
+    if dev.type == "cuda" and (not packed or (max_q is not None and max_kv is not None)):
+        return _check_lengths_on_device(named, packed, query, key, cu_q, cu_kv, max_q, max_kv,
+                                        None if packed else (sq, skv))
     rows = dict(zip((n for n, _ in named), torch.stack([t for _, t in named]).tolist()))  # the one sync
     for arg, row in rows.items():
         _check_offsets(arg, row)
@@ -246,3 +245,38 @@ def _check_packed_totals(side: str, tokens: int, cu: List[int], pad: Optional[Li
 def _check_max_against(arg: str, value: Optional[int], lengths: List[int]) -> None:
     if value is not None and lengths and value < max(lengths):
         raise ValueError(f"{arg}={value} is smaller than a sequence length ({max(lengths)})")
+
+
+def _check_lengths_on_device(named: List[Tuple[str, torch.Tensor]], packed: bool, query: torch.Tensor,
+                             key: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, max_q: Optional[int],
+                             max_kv: Optional[int], dense_lengths: Optional[Tuple[int, int]]) -> Lengths:
+    """CUDA cu_seqlens: the value checks run as one asynchronous device assertion, no host sync.
+
+    A violation (not starting at 0, decreasing, wrong token total, a length above max_seqlen or
+    above the dense sequence length) stops the program with a CUDA device-side assertion at the
+    next synchronization, carrying the message below, instead of a ValueError at the call.
+    """
+    rows = torch.stack([t for _, t in named])
+    diffs = rows[:, 1:] - rows[:, :-1]
+    ok = (rows[:, 0] == 0).all() & (diffs >= 0).all()
+    lens_q, lens_kv = diffs[0], diffs[1]
+    if packed:
+        limit_q, limit_kv = max_q, max_kv
+        # token totals: the padded offsets end at the token count when given, else cu_seqlens does
+        names = [n for n, _ in named]
+        end_q = rows[names.index("cu_seqlens_q_padded")] if "cu_seqlens_q_padded" in names else rows[0]
+        end_kv = rows[names.index("cu_seqlens_kv_padded")] if "cu_seqlens_kv_padded" in names else rows[1]
+        ok = ok & (end_q[-1] == query.shape[0]) & (end_kv[-1] == key.shape[0])
+    else:
+        limit_q, limit_kv = dense_lengths
+        if max_q is not None:
+            limit_q = min(limit_q, max_q)
+        if max_kv is not None:
+            limit_kv = min(limit_kv, max_kv)
+    if lens_q.numel():
+        ok = ok & (lens_q.max() <= limit_q) & (lens_kv.max() <= limit_kv)
+    torch._assert_async(ok, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the "
+                            "token count (thd), and give lengths <= max_seqlen / the tensors' sequence length")
+    if packed:
+        return Lengths(None, None, None, None, max_q, max_kv)
+    return Lengths(lens_q.to(torch.int32), lens_kv.to(torch.int32), None, None, dense_lengths[0], dense_lengths[1])

@@ -8,6 +8,7 @@ selects of the incoming gradient: d/dx where(c, x, y) = where(c, g, 0).
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List
 
 from .expr import Node, const, topo_order
@@ -61,14 +62,38 @@ def _local_grads(n: Node, g: Node) -> List[Node]:
     raise NotImplementedError(f"no derivative rule for score_mod op {op!r}")
 
 
+def _is_neg_inf(n: Node) -> bool:
+    return n.op == "const" and n.attr == -math.inf
+
+
+def _outer_masks(root: Node) -> set:
+    """The chain of `where(c, x, -inf)` masks at the top of the DAG (root first).
+
+    The scores they produce go straight into the softmax, so at a masked position the
+    incoming gradient is already exactly 0 (softmax weight 0): the mask's derivative is the
+    identity there, and the backward needs no select (and no recomputed mask).
+    """
+    out, n = set(), root
+    while n.op == "where" and (_is_neg_inf(n.args[2]) or _is_neg_inf(n.args[1])):
+        out.add(n)
+        n = n.args[1] if _is_neg_inf(n.args[2]) else n.args[2]
+    return out
+
+
 def grad_dag(root: Node) -> Node:
     """d(loss)/d(score) as a DAG over GRAD and forward nodes (const 0 if score is unused)."""
     dep = depends_on_score(root)
     if not dep[root]:
         return _ZERO
+    outer = _outer_masks(root)
     acc: Dict[Node, Node] = {root: GRAD}
     for n in reversed(topo_order(root)):
         if n not in acc or n.op == "score" or not n.args:
+            continue
+        if n in outer:
+            kept = n.args[1] if _is_neg_inf(n.args[2]) else n.args[2]
+            if dep[kept]:
+                acc[kept] = Node("add", (acc[kept], acc[n])) if kept in acc else acc[n]
             continue
         for arg, ga in zip(n.args, _local_grads(n, acc[n])):
             if ga is None or not dep[arg]:

@@ -69,14 +69,22 @@ def _padding(score, b, h, q_idx, kv_idx):
     return where((q_idx < q_len()) & (kv_idx < kv_len()), score, _NEG_INF)
 
 
+def _as_band(mod: TracedMod, left: Any, right: Any, bottom_right: bool) -> TracedMod:
+    """Mark a pure mask mod with the diagonal band it equals: (left, right, bottom_right), None =
+    unbounded. `dot_product_attention` runs such a mod, when it is the whole score_mod, as the
+    backend's native band (cuDNN then skips masked tiles instead of computing and masking them)."""
+    mod.native_band = (left, right, bottom_right)
+    return mod
+
+
 def causal() -> TracedMod:
     """Top-left causal mask: query i attends keys j <= i."""
-    return _causal
+    return _as_band(_causal, None, 0, False)
 
 
 def causal_bottom_right() -> TracedMod:
     """Bottom-right causal mask: j <= i + kv_len - q_len (the last query sees every key)."""
-    return _causal_br
+    return _as_band(_causal_br, None, 0, True)
 
 
 def padding_mask() -> TracedMod:
@@ -122,8 +130,8 @@ def sliding_window(left: int, right: int, bottom_right: bool = False) -> TracedM
 
     left_bounded, right_bounded = left != -1, right != -1
     body.__name__ = "sliding_window"
-    mod = score_mod(body)
-    return mod(left=float(max(left, 0)), right=float(max(right, 0)))
+    mod = score_mod(body)(left=float(max(left, 0)), right=float(max(right, 0)))
+    return _as_band(mod, None if left == -1 else left, None if right == -1 else right, bottom_right)
 
 
 def _check_tensor(fn: str, name: str, t: Any, ranks: tuple, floating: bool) -> torch.Tensor:

@@ -9,8 +9,18 @@ pytestmark = [
 ]
 
 
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+def rel(a, b, floor=1e-12):
+    """norm(a - b) / max(norm(b), floor): a relative error that stays meaningful where b is ~0."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
+
+
+def slice_floor(whole, nseq):
+    """Floor for per-sequence errors: 1% of the whole tensor's norm spread over its sequences.
+
+    A sequence whose reference slice is ~0 (a query that sees one key has dq == 0) is then judged
+    against the batch's scale instead of its own, where a 1e-7 difference would read as 1e6.
+    """
+    return max(1e-2 * whole.double().norm().item() / nseq ** 0.5, 1e-12)
 
 
 def cu(lens, gap=0):
@@ -70,15 +80,21 @@ def test_thd_vs_reference(case, dtype):
     assert lse.shape == (h, tq)
     assert not out.isnan().any() and not any(g.isnan().any() for g in grads)
     off_q = cq.tolist()
+    nseq = len(lens_q)
+    fl_out, fl_dq = slice_floor(out_r, nseq), slice_floor(grads_r[0], nseq)
+    fl_lse = slice_floor(lse_r[torch.isfinite(lse_r)], nseq)
     for b, n in enumerate(lens_q):  # per sequence
         if n == 0:
             continue
         sl = slice(off_q[b], off_q[b] + n)
-        assert rel(out[sl], out_r[sl]) < tol, (b, rel(out[sl], out_r[sl]))
+        err = rel(out[sl], out_r[sl], fl_out)
+        assert err < tol, ("out", b, err, tol)
         fin = torch.isfinite(lse_r[:, sl])
         assert torch.equal(torch.isfinite(lse[:, sl]), fin)
-        assert rel(lse[:, sl][fin], lse_r[:, sl][fin]) < tol
-        assert rel(grads[0][sl], grads_r[0][sl]) < 2 * tol
+        err = rel(lse[:, sl][fin], lse_r[:, sl][fin], fl_lse)
+        assert err < tol, ("lse", b, err, tol)
+        err = rel(grads[0][sl], grads_r[0][sl], fl_dq)
+        assert err < 2 * tol, ("dq", b, err, tol)
     for g, gr in zip(grads[1:], grads_r[1:]):
         assert rel(g, gr) < 2 * tol
     if gap:  # nothing written between sequences

@@ -22,12 +22,19 @@ from . import reference
 __all__ = ["choose", "run"]
 
 
+_CUDNN: list = []  # the imported cuDNN backend module, once imported
+
+
 def _cudnn() -> Tuple[Optional[ModuleType], Optional[str]]:
     """(the cuDNN backend module, None) or (None, why it cannot be imported)."""
+    if _CUDNN:
+        return _CUDNN[0], None
     try:
-        return importlib.import_module("fused_attn.backends.cudnn"), None
+        module = importlib.import_module("fused_attn.backends.cudnn")
     except ImportError as exc:
         return None, f"the cuDNN backend cannot be imported ({exc})"
+    _CUDNN.append(module)
+    return module, None
 
 
 def choose(problem: AttentionProblem, backend: str = "auto") -> Tuple[str, ModuleType]:

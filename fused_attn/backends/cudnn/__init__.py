@@ -22,7 +22,7 @@ from ...problem import AttentionProblem
 from . import runtime, varlen, version
 from .graphs import CompiledGraph, build, cudnn_band, dense_strides_like, grad_strides, thd_strides
 
-__all__ = ["can_serve", "forward", "backward", "attention", "saved_like"]
+__all__ = ["can_serve", "forward", "backward", "attention", "saved_like", "lse_from_saved"]
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _MAX_HEAD_DIM = 256
@@ -72,6 +72,13 @@ def saved_like(problem: AttentionProblem) -> torch.Tensor:
     else:
         shape = tuple(q.shape[:3]) + (1,)
     return q.new_empty(shape, dtype=torch.float32)
+
+
+def lse_from_saved(problem: AttentionProblem, saved: torch.Tensor) -> Optional[torch.Tensor]:
+    """Dense problems: `forward`'s lse is `saved` (B, H, Sq, 1) squeezed, a view; the custom op
+    returns `saved` only and takes this view outside (op outputs may not alias). Packed: None
+    (lse is gathered into a tensor of its own). Works on fake tensors."""
+    return None if problem.is_packed else saved.squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -19,7 +19,7 @@ import torch
 
 from .graphs import CompiledGraph
 
-__all__ = ["handle_for", "workspace_for", "execute", "current_stream"]
+__all__ = ["handle_for", "workspace_for", "execute", "current_stream", "release_all"]
 
 _local = threading.local()
 _ws_lock = threading.Lock()
@@ -39,6 +39,17 @@ def handle_for(device_index: int) -> Any:
             handle = cudnn.create_handle()
         handles[device_index] = handle
     return handle
+
+
+def release_all() -> None:
+    """Drop the calling thread's handles and every workspace (used at interpreter exit; other
+    threads' handles go with their thread-local storage)."""
+    handles = getattr(_local, "handles", None)
+    if handles is not None:
+        handles.clear()
+        del _local.handles
+    with _ws_lock:
+        _workspaces.clear()
 
 
 def current_stream(device_index: int) -> int:

@@ -9,7 +9,8 @@ Everything here is device-side torch ops: no host sync.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Dict, Tuple
 
 import torch
@@ -51,10 +52,15 @@ class ThdBatch:
     tok_q: torch.Tensor
     tok_kv: torch.Tensor
 
+    _offsets: Dict[Tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
     def offsets(self, side: str, multiplier: int) -> torch.Tensor:
-        """(B_bucket + 1, 1, 1, 1) int32 element offsets: token offset * multiplier."""
-        tok = self.tok_q if side == "q" else self.tok_kv
-        return (tok * multiplier).view(-1, 1, 1, 1)
+        """(B_bucket + 1, 1, 1, 1) int32 element offsets: token offset * multiplier (cached)."""
+        got = self._offsets.get((side, multiplier))
+        if got is None:
+            tok = self.tok_q if side == "q" else self.tok_kv
+            got = self._offsets[(side, multiplier)] = (tok * multiplier).view(-1, 1, 1, 1)
+        return got
 
     def bindings(self, slot_multipliers: Dict[str, Tuple[str, int]]) -> Dict[str, torch.Tensor]:
         """Buffers for the seq_len and ragged-offset slots of a graph."""
@@ -87,8 +93,41 @@ def check_offset_range(name: str, tokens: int, heads: int, dim: int) -> None:
         )
 
 
+_PREPARED: "OrderedDict[tuple, Tuple[tuple, ThdBatch]]" = OrderedDict()
+_PREPARED_MAX = 16
+
+
+def _identity(t) -> tuple:
+    return (None, 0) if t is None else (id(t), t._version)
+
+
 def prepare(problem) -> ThdBatch:
-    """Bucket sizes, lengths and token offsets of a packed (thd) AttentionProblem."""
+    """Bucket sizes, lengths and token offsets of a packed (thd) AttentionProblem.
+
+    Memoized on the identity and version counter of the cu_seqlens tensors (the entry holds
+    them, so an id cannot be reused while cached; an in-place edit bumps the version): the
+    backward of a step and repeated calls on the same batch reuse the device tensors instead of
+    relaunching a dozen small kernels.
+    """
+    sources = (problem.cu_seqlens_q, problem.cu_seqlens_kv, problem.cu_seqlens_q_padded, problem.cu_seqlens_kv_padded)
+    key = tuple(_identity(t) for t in sources) + (int(problem.max_seqlen_q), int(problem.max_seqlen_kv))
+    hit = _PREPARED.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], sources)):
+        _PREPARED.move_to_end(key)
+        return hit[1]
+    thd = _prepare(problem)
+    _PREPARED[key] = (sources, thd)
+    if len(_PREPARED) > _PREPARED_MAX:
+        _PREPARED.popitem(last=False)
+    return thd
+
+
+def release_prepared() -> None:
+    """Drop memoized batches (with the graph cache)."""
+    _PREPARED.clear()
+
+
+def _prepare(problem) -> ThdBatch:
     batch = problem.cu_seqlens_q.numel() - 1
     bb = bucket_batch(batch)
     tok_q = problem.cu_seqlens_q_padded if problem.cu_seqlens_q_padded is not None else problem.cu_seqlens_q
