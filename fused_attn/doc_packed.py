@@ -156,6 +156,7 @@ def doc_packed_attn(
     enable_gqa: bool = False,
     score_mod: object = None,
     scale: Optional[float] = None,
+    max_doc_len: Optional[int] = None,
 ) -> torch.Tensor:
     """Attention within documents packed into uniform batch rows.
 
@@ -169,17 +170,24 @@ def doc_packed_attn(
         enable_gqa: allow H_kv < H (H % H_kv == 0).
         score_mod: optional score modifier; its q_idx / kv_idx are positions within the document.
         scale: softmax scale, default 1/sqrt(D).
+        max_doc_len: optional host int >= the longest document. The cuDNN graph is sized by it
+            (rounded up to a power of two): with many short documents, giving it saves most of
+            the kernel's work (launching tiles for S-long documents that end early). Default S.
 
     Returns:
         out (B, S, H, D_v), differentiable (the backward uses the saved output and log-sum-exp).
 
     Cost: no device->host synchronisation on CUDA (cu_seq values are checked by an asynchronous
-    device assertion; max_seqlen is S).
+    device assertion, which also checks max_doc_len).
     """
     _check_qkv(query, key, value, enable_gqa)
     batch, seq_len = query.shape[0], query.shape[1]
     check_doc_boundaries(cu_seq, batch, seq_len, query.device)
     mask_type, window = _mask(is_causal, window_size)
+    if max_doc_len is None:
+        max_doc_len = seq_len
+    elif isinstance(max_doc_len, bool) or not isinstance(max_doc_len, int) or not 0 <= max_doc_len <= seq_len:
+        raise ValueError(f"max_doc_len must be None or an int in [0, S={seq_len}], got {max_doc_len!r}")
     cu = doc_cu_seqlens(cu_seq, seq_len)
     out = functional.dot_product_attention(
         _packed(query),
@@ -192,7 +200,7 @@ def doc_packed_attn(
         score_mod=score_mod,
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        max_seqlen_q=seq_len,
-        max_seqlen_kv=seq_len,
+        max_seqlen_q=max_doc_len,
+        max_seqlen_kv=max_doc_len,
     )
     return out.view(batch, seq_len, out.shape[-2], out.shape[-1])

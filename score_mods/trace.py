@@ -200,6 +200,14 @@ class TracedMod(ScoreMod):
         return bool(expr.leaves(self.root, "length"))
 
     @property
+    def has_backward(self) -> bool:
+        """False for mods reading integer tensor parameters (document ids): measured on the
+        H100, cuDNN's backward graph recomputes such masks wrongly (gradients off by ~100%)
+        while the forward is right, so their gradients come from the reference backend (or use
+        doc_packed_attn / thd, where documents are sequences)."""
+        return not any(s.kind == "tensor" and s.tkind == "int" for s in self.specs.values())
+
+    @property
     def needs_host_lengths(self) -> bool:
         """True when the cuDNN lowering folds q_len/kv_len on the host (dense problems only)."""
         return bool(lower_cudnn.plan_for(self.root).length_folds)

@@ -140,9 +140,12 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
     flat = lambda t: t.reshape(b * s, h, d)
     ref32 = reference_packed(flat(q), flat(k), flat(v), flat(do), lengths, causal, torch.float32)
     tol = tolerances(ref32, reference_packed(flat(q), flat(k), flat(v), flat(do), lengths, causal, torch.bfloat16))
+    longest = max(lengths)  # known on the host, like flex's block mask built outside the timing
     impls = [_autograd_impl("fused_attn", lambda a, bb, c: fused_attn.doc_packed_attn(a, bb, c, cu_seq,
                                                                                       is_causal=causal),
-                            (q, k, v), do, True, to_packed=flat)]
+                            (q, k, v), do, True, to_packed=flat),
+             _autograd_impl("fused_attn_maxdoc", lambda a, bb, c: fused_attn.doc_packed_attn(
+                 a, bb, c, cu_seq, is_causal=causal, max_doc_len=longest), (q, k, v), do, True, to_packed=flat)]
     if device.type == "cuda":
         from torch.nn.attention.flex_attention import create_block_mask
 

@@ -48,6 +48,10 @@ def can_serve(problem: AttentionProblem) -> Optional[str]:
         return (f"cuDNN's bottom-right band needs Sq <= Skv with padded batches, got Sq={q.shape[2]} > "
                 f"Skv={k.shape[2]}")
     mod = problem.score_mod
+    if (mod is not None and not mod.has_backward and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return (f"score_mod {mod.name!r} has no correct cuDNN backward and gradients are required "
+                "(document masks: use fused_attn.doc_packed_attn or thd, which run them as sequences)")
     if mod is not None and mod.needs_host_lengths and problem.has_lengths:
         return (f"score_mod {mod.name!r} compares positions against per-sequence lengths "
                 "(bottom-right alignment), which cuDNN computes wrongly on packed or padded batches")
