@@ -160,3 +160,27 @@ def _with_masks(mod: Any, band: Optional[Band], padded: bool) -> Any:
     if padded:
         parts.append(padding_mask())
     return compose(mod, *parts) if parts else mod
+
+
+def fuse_masks(score_mod: Any, attn_mask_type: str, window_size: Any, qkv_format: str) -> Optional[Any]:
+    """The one ScoreMod that `dot_product_attention` would run for (score_mod, mask, window), or
+    None when it would not compose (no score_mod, no band, a padding mask that needs per-call
+    lengths, or a pure mask served by the backend's own band).
+
+    `DotProductAttention` calls it once per configuration, so a compiled model never builds
+    score_mod objects while being traced.
+    """
+    if score_mod is None or attn_mask_type in ("padding", "padding_causal"):
+        return None
+    from score_mods import ScoreMod, as_score_mod
+
+    mod = as_score_mod(score_mod)
+    if not isinstance(mod, ScoreMod):
+        return None
+    packed = qkv_format == "thd"
+    band = V.resolve_band(_PADDING_TWIN.get(attn_mask_type, attn_mask_type) if packed else attn_mask_type,
+                          V.check_window(window_size))
+    native = getattr(mod, "native_band", None)
+    if band is None or (native is not None and Band(*native) == band):
+        return None
+    return _with_masks(mod, band, padded=False)

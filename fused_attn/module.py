@@ -9,13 +9,43 @@ import torch
 from torch import nn
 
 from . import validation as V
-from .functional import dot_product_attention
+from .functional import dot_product_attention, fuse_masks
 from .layouts import dims
 from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS
 
 __all__ = ["DotProductAttention"]
 
 _CALL_KWARGS = frozenset(inspect.signature(dot_product_attention).parameters) - {"query", "key", "value"}
+#: Per-call overrides that change what the configured score_mod composes with.
+_MASK_KWARGS = frozenset({"attn_mask_type", "window_size", "qkv_format", "score_mod", "score_mod_tensors",
+                          "score_mod_bprop", "score_mod_bprop_tensors"})
+
+
+def _stable_mod(current: Any, new: Any) -> Any:
+    """The score_mod object the module passes per call, kept the same object across value changes.
+
+    A traced mod with the same structure and tensor parameters as `current` updates `current`'s
+    float values (and its scalar tensor) in place, so torch.compile, which guards on the object,
+    sees one object and a tensor of values: changing softcap 30 -> 50 neither rebuilds a cuDNN
+    graph nor recompiles. Otherwise a private copy (the user's object is never mutated).
+    """
+    try:
+        from score_mods.trace import TracedMod
+    except ImportError:  # pragma: no cover - score_mods ships with fused_attn
+        return new
+    if not isinstance(new, TracedMod):
+        return new
+    if (isinstance(current, TracedMod) and current.cache_key == new.cache_key
+            and all(current.tensors()[n] is t for n, t in new.tensors().items())):
+        current._values = dict(new._values)
+        current._operands = None
+        current.scalar_tensor().copy_(new.scalar_tensor())
+        return current
+    copy = TracedMod(new.name, new.root, new.specs, new._values)
+    if getattr(new, "native_band", None) is not None:
+        copy.native_band = new.native_band
+    copy.scalar_tensor()  # made here, outside any compiled region
+    return copy
 
 
 def _positive_int(arg: str, value: Any) -> int:
@@ -80,12 +110,29 @@ class DotProductAttention(nn.Module):
         kwargs = dict(qkv_format=self.qkv_format, attn_mask_type=self.attn_mask_type, window_size=self.window_size,
                       softmax_scale=self.softmax_scale, score_mod=self.score_mod, backend=self.backend,
                       deterministic=self.deterministic)
+        if self._call_mod is not None and not _MASK_KWARGS.intersection(overrides):
+            # The configured score_mod (composed once with the configured mask; see the setter).
+            kwargs["score_mod"] = self._call_mod
+            if self._mask_fused:
+                kwargs.update(attn_mask_type="no_mask", window_size=None)
         kwargs.update(overrides)
         fmt = V.check_choice("qkv_format", kwargs["qkv_format"], QKV_FORMATS)
         rank = 3 if fmt == "thd" else 4
         if all(isinstance(t, torch.Tensor) and t.dim() == rank for t in (query, key, value)):
             self._check_config(query, key, value, fmt)  # the functional API checks everything else
         return dot_product_attention(query, key, value, **kwargs)
+
+    @property
+    def score_mod(self) -> Any:
+        """The configured score_mod; setting it recomposes it with the configured mask once."""
+        return self._score_mod
+
+    @score_mod.setter
+    def score_mod(self, value: Any) -> None:
+        self._score_mod = value
+        fused = fuse_masks(value, self.attn_mask_type, self.window_size, self.qkv_format)
+        self._mask_fused = fused is not None
+        self._call_mod = _stable_mod(getattr(self, "_call_mod", None), value if fused is None else fused)
 
     def _check_config(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fmt: str) -> None:
         want = (("query", query, self.num_attention_heads, self.head_dim_qk, "num_attention_heads"),

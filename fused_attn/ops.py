@@ -273,7 +273,8 @@ def attention(problem: AttentionProblem, backend_name: str) -> Tuple[torch.Tenso
     if sm is not None:
         sm_key = register_score_mod(sm)
         # A CPU fp64 tensor, not float[]: a changed value then never recompiles the graph.
-        scalars = torch.tensor([v for v in sm.scalars().values()], dtype=torch.float64)
+        made = getattr(sm, "scalar_tensor", None)
+        scalars = made() if made is not None else torch.tensor(list(sm.scalars().values()), dtype=torch.float64)
         tensors = list(sm.tensors().values())
     else:
         sm_key, scalars, tensors = "", torch.zeros(0, dtype=torch.float64), []

@@ -215,6 +215,14 @@ class TracedMod(ScoreMod):
     def scalars(self) -> Dict[str, float]:
         return {p: self._values[p] for p, s in self.specs.items() if s.kind == "float"}
 
+    def scalar_tensor(self) -> torch.Tensor:
+        """The float parameters as one CPU float64 tensor (in `scalars()` order), made once per
+        bound mod: torch.compile sees a tensor input, so a new value does not recompile."""
+        t = self.__dict__.get("_scalar_tensor")
+        if t is None:
+            t = self._scalar_tensor = torch.tensor(list(self.scalars().values()), dtype=torch.float64)
+        return t
+
     def tensors(self) -> Dict[str, torch.Tensor]:
         out = {}
         for p, s in self.specs.items():

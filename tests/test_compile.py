@@ -38,13 +38,6 @@ class Softcap(ScoreMod):
         raise NotImplementedError
 
 
-# Known bug: a score_mod composed with a mask inside the compiled region (functional._with_masks
-# builds a new TracedMod while dynamo traces) reaches ops.register_score_mod as a half-built
-# object ("'TracedMod' object has no attribute 'root'"). strict: these flag the fix.
-COMPOSED_SCORE_MOD_UNDER_COMPILE = pytest.mark.xfail(
-    reason="score_mod composed with a mask inside torch.compile breaks ops.register_score_mod", strict=True)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -187,8 +180,6 @@ def _run(model, x, *extra):
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("sm", [None, 2.0])
 def test_compiled_block_matches_eager(backend, varlen, sm, request):
-    if sm is not None and not varlen:  # thd graph-breaks (fullgraph=False) before the composition
-        request.applymarker(COMPOSED_SCORE_MOD_UNDER_COMPILE)
     torch.manual_seed(0)
     model = Block(score_mod=None if sm is None else softcap(sm))
     x = torch.randn(2, 8, 32)
@@ -202,7 +193,6 @@ def test_compiled_block_matches_eager(backend, varlen, sm, request):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-@COMPOSED_SCORE_MOD_UNDER_COMPILE
 def test_inductor_small_case():
     torch.manual_seed(0)
     model = Block(score_mod=softcap(2.0))
@@ -220,7 +210,6 @@ def test_inductor_small_case():
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
-@COMPOSED_SCORE_MOD_UNDER_COMPILE
 def test_no_recompile_when_float_param_changes():
     torch._dynamo.reset()
     model = Block(score_mod=softcap(2.0))
