@@ -45,6 +45,9 @@ def _stable_mod(current: Any, new: Any) -> Any:
     if getattr(new, "native_band", None) is not None:
         copy.native_band = new.native_band
     copy.scalar_tensor()  # made here, outside any compiled region
+    from .ops import prepare_score_mod
+
+    prepare_score_mod(copy)
     return copy
 
 

@@ -37,7 +37,7 @@ import torch
 
 from .problem import AttentionProblem, Band
 
-__all__ = ["attention", "register_score_mod", "lookup_score_mod", "score_mod_key"]
+__all__ = ["attention", "register_score_mod", "prepare_score_mod", "lookup_score_mod", "score_mod_key"]
 
 _REGISTRY: Dict[str, object] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -47,6 +47,17 @@ def score_mod_key(score_mod: object) -> str:
     """Stable string for a ScoreMod's structural cache key (same across processes)."""
     digest = hashlib.sha256(repr(score_mod.cache_key).encode()).hexdigest()[:20]
     return f"{getattr(score_mod, 'name', 'score_mod')}:{digest}"
+
+
+def prepare_score_mod(score_mod: object) -> str:
+    """Register `score_mod` now, in eager code, and remember its key on the object: a compiled
+    model that reuses the object then reads a constant string instead of tracing the
+    registration (DotProductAttention does this for its configured score_mod)."""
+    key = score_mod_key(score_mod)
+    with _REGISTRY_LOCK:
+        _REGISTRY.setdefault(key, score_mod)
+    score_mod._op_key = key
+    return key
 
 
 @torch.compiler.assume_constant_result
@@ -271,7 +282,9 @@ def attention(problem: AttentionProblem, backend_name: str) -> Tuple[torch.Tenso
     """
     sm = problem.score_mod
     if sm is not None:
-        sm_key = register_score_mod(sm)
+        sm_key = getattr(sm, "_op_key", None)
+        if sm_key is None:
+            sm_key = register_score_mod(sm)
         # A CPU fp64 tensor, not float[]: a changed value then never recompiles the graph.
         made = getattr(sm, "scalar_tensor", None)
         scalars = made() if made is not None else torch.tensor(list(sm.scalars().values()), dtype=torch.float64)

@@ -143,6 +143,9 @@ class TracedMod(ScoreMod):
     def __init__(self, name: str, root: Node, specs: Dict[str, ParamSpec], values: Dict[str, Any]):
         self.name, self.root, self.specs, self._values = name, root, dict(specs), dict(values)
         self._operands: Optional[Dict[str, torch.Tensor]] = None
+        # Structural facts the backends ask on every call, computed once here, in eager code
+        # (torch.compile cannot trace the DAG walks behind them).
+        self.uses_lengths, self.needs_host_lengths  # noqa: B018
 
     # binding -----------------------------------------------------------------
     def bind(self, **params: Any) -> "TracedMod":
@@ -197,7 +200,10 @@ class TracedMod(ScoreMod):
 
     @property
     def uses_lengths(self) -> bool:
-        return bool(expr.leaves(self.root, "length"))
+        got = self.__dict__.get("_uses_lengths")
+        if got is None:
+            got = self._uses_lengths = bool(expr.leaves(self.root, "length"))
+        return got
 
     @property
     def has_backward(self) -> bool:
@@ -210,7 +216,10 @@ class TracedMod(ScoreMod):
     @property
     def needs_host_lengths(self) -> bool:
         """True when the cuDNN lowering folds q_len/kv_len on the host (dense problems only)."""
-        return bool(lower_cudnn.plan_for(self.root).length_folds)
+        got = self.__dict__.get("_needs_host_lengths")
+        if got is None:
+            got = self._needs_host_lengths = bool(lower_cudnn.plan_for(self.root).length_folds)
+        return got
 
     def scalars(self) -> Dict[str, float]:
         return {p: self._values[p] for p, s in self.specs.items() if s.kind == "float"}
@@ -234,8 +243,10 @@ class TracedMod(ScoreMod):
         return out
 
     def check(self, *, device: torch.device, batch: int, heads: int, seqlen_q: int, seqlen_kv: int) -> None:
-        sizes = {"b": batch, "h": heads, "q_idx": seqlen_q, "kv_idx": seqlen_kv}
         tensors = self.tensors()
+        if not tensors:  # nothing to check (and nothing for torch.compile to trace here)
+            return
+        sizes = {"b": batch, "h": heads, "q_idx": seqlen_q, "kv_idx": seqlen_kv}
         device = torch.device(device)
         for n in expr.leaves(self.root, "tparam"):
             p, axes = n.attr
