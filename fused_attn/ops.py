@@ -202,9 +202,10 @@ def _attn_fwd_fake(query, key, value, backend, qkv_format, scale, band, seqlens_
         lse = query.new_empty(query.shape[:3], dtype=torch.float32)
     mod = _backend(backend)
     if hasattr(mod, "saved_like"):
+        # Shapes only: no score_mod (its float values are data the fake tensors do not hold).
         problem = _problem(query, key, value, qkv_format, scale, band, seqlens_q, seqlens_kv, cu_seqlens_q,
                            cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
-                           max_seqlen_kv, score_mod_key, score_mod_scalars, score_mod_tensors, deterministic)
+                           max_seqlen_kv, "", score_mod_scalars, [], deterministic)
         saved = mod.saved_like(problem)
         if _lse_from_saved(mod, problem, saved) is not None:
             lse = saved.new_empty((0,))
