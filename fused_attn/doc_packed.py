@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import functional
+from .validation import check_window
 
 __all__ = ["doc_packed_attn", "doc_cu_seqlens", "check_doc_boundaries"]
 
@@ -123,14 +124,9 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enab
 def _mask(is_causal: bool, window_size: object) -> Tuple[str, Optional[Tuple[int, int]]]:
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    for side, v in zip(("left", "right"), window_size):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"window_size {side} must be an int, got {v!r}")
-        if v < -1:
-            raise ValueError(f"window_size {side} must be -1 (unbounded) or >= 0, got {v}")
-    left, right = int(window_size[0]), int(window_size[1])
+    if window_size is None:
+        raise ValueError("window_size must be a (left, right) pair of ints (-1 = unbounded), got None")
+    left, right = check_window(window_size)
     if is_causal:
         if right not in (-1, 0):
             raise ValueError(f"is_causal=True allows window_size right of -1 or 0, got window_size={window_size!r}")

@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 
 from . import functional
+from .validation import check_window
 from .doc_packed import doc_packed_attn
 
 __all__ = ["AuxRequest", "varlen_attn", "doc_packed_attn"]
@@ -46,17 +47,10 @@ class AuxRequest(NamedTuple):
 
 def _check_window(window_size: object) -> Tuple[int, int]:
     """Validate a flash-style (left, right) window; -1 means unbounded on that side."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(
-            f"window_size must be a (left, right) pair of ints, got {window_size!r}; "
-            "use (-1, -1) for full attention, (-1, 0) for causal"
-        )
-    for side, value in zip(("left", "right"), window_size):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"window_size {side} must be an int, got {value!r} ({type(value).__name__})")
-        if value < -1:
-            raise ValueError(f"window_size {side} must be -1 (unbounded) or >= 0, got {value}")
-    return int(window_size[0]), int(window_size[1])
+    if window_size is None:
+        raise ValueError("window_size must be a (left, right) pair of ints; use (-1, -1) for full attention, "
+                         "(-1, 0) for causal")
+    return check_window(window_size)
 
 
 def _check_max(name: str, value: object) -> int:

@@ -218,9 +218,9 @@ def test_gqa_heads_not_multiple():
         ({"seqused_k": torch.tensor([4, 6], dtype=torch.int32)}, NotImplementedError, "seqused_k"),
         ({"block_table": torch.zeros(2, 1, dtype=torch.int32)}, NotImplementedError, "block_table"),
         ({"num_splits": 1}, NotImplementedError, "num_splits"),
-        ({"window_size": (-2, 0)}, ValueError, r"window_size left must be -1 \(unbounded\) or >= 0, got -2"),
-        ({"window_size": (1.5, 0)}, TypeError, "window_size left must be an int, got 1.5"),
-        ({"window_size": (1, 2, 3)}, ValueError, r"window_size must be a \(left, right\) pair"),
+        ({"window_size": (-2, 0)}, ValueError, r"window_size left must be >= -1 \(-1 = unbounded\), got -2"),
+        ({"window_size": (1.5, 0)}, TypeError, r"window_size left must be an int >= -1 \(-1 = unbounded\), got 1.5"),
+        ({"window_size": (1, 2, 3)}, ValueError, r"window_size must be None or a \(left, right\) pair of ints >= -1, got \(1, 2, 3\)"),
         ({"return_aux": True}, TypeError, "return_aux must be None or AuxRequest"),
     ],
 )

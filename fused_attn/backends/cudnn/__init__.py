@@ -176,6 +176,17 @@ def _ragged_bindings(compiled: CompiledGraph, thd: varlen.ThdBatch, bind: Dict[s
             bind[slot] = thd.offsets(side, int(mult))
 
 
+def _bind_dense_extras(bind: Dict[str, Any], problem: AttentionProblem, operands: Dict[str, torch.Tensor],
+                       padding: bool) -> None:
+    """Add the dense graphs' optional inputs to `bind`: padding lengths and score_mod operands."""
+    if padding:
+        b = problem.seqlens_q.shape[0]
+        bind["seq_q"] = problem.seqlens_q.to(torch.int32).view(b, 1, 1, 1)
+        bind["seq_kv"] = problem.seqlens_kv.to(torch.int32).view(b, 1, 1, 1)
+    for name, t in operands.items():
+        bind[f"sm:{name}"] = t
+
+
 def _zero_past_lengths(t: torch.Tensor, lengths: torch.Tensor, value: float = 0.0) -> None:
     """In place: t (B, H, S, X) rows s >= lengths[b] set to `value`."""
     past = torch.arange(t.shape[2], device=t.device)[None, :] >= lengths.view(-1, 1)
@@ -206,11 +217,7 @@ def forward(problem: AttentionProblem) -> Tuple[torch.Tensor, Optional[torch.Ten
     out = torch.empty_strided(o_shape, o_strides, dtype=q.dtype, device=q.device)
     stats = torch.empty((b, h, sq, 1), dtype=torch.float32, device=q.device)
     bind: Dict[str, Any] = {"q": q, "k": k, "v": v, "o": out, "stats": stats}
-    if padding:
-        bind["seq_q"] = problem.seqlens_q.to(torch.int32).view(b, 1, 1, 1)
-        bind["seq_kv"] = problem.seqlens_kv.to(torch.int32).view(b, 1, 1, 1)
-    for name, t in operands.items():
-        bind[f"sm:{name}"] = t
+    _bind_dense_extras(bind, problem, operands, padding)
     _run(compiled, bind, dev)
     if padding and problem.score_mod is not None:
         # Without cuDNN's padding mask (refused with a score_mod) rows past a length are not cleared.
@@ -292,11 +299,7 @@ def backward(problem: AttentionProblem, out: torch.Tensor, saved: torch.Tensor,
             g.zero_()
     bind: Dict[str, Any] = {"q": q, "k": k, "v": v, "o": o, "dO": d_o, "stats": saved,
                             "dQ": grads[0], "dK": grads[1], "dV": grads[2]}
-    if padding:
-        bind["seq_q"] = problem.seqlens_q.to(torch.int32).view(b, 1, 1, 1)
-        bind["seq_kv"] = problem.seqlens_kv.to(torch.int32).view(b, 1, 1, 1)
-    for name, t in operands.items():
-        bind[f"sm:{name}"] = t
+    _bind_dense_extras(bind, problem, operands, padding)
     _run(compiled, bind, dev)
     if padding and mod is not None:
         _zero_past_lengths(grads[0], problem.seqlens_q)
