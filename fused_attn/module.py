@@ -35,15 +35,9 @@ def _stable_mod(current: Any, new: Any) -> Any:
         return new
     if not isinstance(new, TracedMod):
         return new
-    if (isinstance(current, TracedMod) and current.cache_key == new.cache_key
-            and all(current.tensors()[n] is t for n, t in new.tensors().items())):
-        current._values = dict(new._values)
-        current._operands = None
-        current.scalar_tensor().copy_(new.scalar_tensor())
+    if isinstance(current, TracedMod) and current.take_values(new):
         return current
-    copy = TracedMod(new.name, new.root, new.specs, new._values)
-    if getattr(new, "native_band", None) is not None:
-        copy.native_band = new.native_band
+    copy = new.private_copy()
     copy.scalar_tensor()  # made here, outside any compiled region
     from .ops import prepare_score_mod
 

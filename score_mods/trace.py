@@ -148,6 +148,23 @@ class TracedMod(ScoreMod):
         self.uses_lengths, self.needs_host_lengths  # noqa: B018
 
     # binding -----------------------------------------------------------------
+    def private_copy(self) -> "TracedMod":
+        """A copy that owns its state (for holders that later update values in place)."""
+        copy = TracedMod(self.name, self.root, self.specs, self._values)
+        if getattr(self, "native_band", None) is not None:
+            copy.native_band = self.native_band
+        return copy
+
+    def take_values(self, other: "TracedMod") -> bool:
+        """Adopt `other`'s float values in place if it has the same structure and the same tensor
+        parameters (return True); the scalar tensor is updated, not replaced. Otherwise False."""
+        if other.cache_key != self.cache_key or any(self.tensors()[n] is not t for n, t in other.tensors().items()):
+            return False
+        self._values = dict(other._values)
+        self._operands = None
+        self.scalar_tensor().copy_(other.scalar_tensor())
+        return True
+
     def bind(self, **params: Any) -> "TracedMod":
         """A copy with the given parameters bound (floats by value, tensors by reference)."""
         values = dict(self._values)
