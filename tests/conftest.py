@@ -1,15 +1,18 @@
-"""Shared test helpers: a seeded generator and a float64 naive attention.
+"""Shared test helpers: a seeded generator, the float64 reference and the tolerance rule
+(both from `fused_attn.testing`, the one place that defines them).
 
 Other test files may `from conftest import naive_attention, band_mask, rand` or use the fixtures.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional, Sequence
 
 import pytest
 import torch
+
+from fused_attn.testing import reference_attention
+from fused_attn.testing import tolerance as _tolerance
 
 
 def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, requires_grad: bool = False):
@@ -21,25 +24,9 @@ def rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     mask: Optional[torch.Tensor] = None, score_fn: Optional[Callable] = None,
                     dtype: torch.dtype = torch.float64):
-    """softmax(score_fn(scale * q k^T) masked) v on logical (B, H, S, D) tensors, computed in `dtype`.
-
-    k/v may have fewer heads (GQA: repeated). mask: bool, broadcastable to (B, H, Sq, Skv), True =
-    attend. score_fn(s, b, h, q_idx, kv_idx) with broadcastable int64 index tensors.
-    Returns (out (B, H, Sq, Dv), lse (B, H, Sq)); rows with no allowed key: out 0, lse -inf.
-    """
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if score_fn is not None:
-        bsz, h, sq, skv = s.shape
-        s = score_fn(s, torch.arange(bsz).view(-1, 1, 1, 1), torch.arange(h).view(1, -1, 1, 1),
-                     torch.arange(sq).view(1, 1, -1, 1), torch.arange(skv).view(1, 1, 1, -1))
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return p @ v, lse
+    """`fused_attn.testing.reference_attention` (logical (B, H, S, D) tensors, computed in `dtype`)."""
+    out, lse = reference_attention(q, k, v, scale, mask, score_fn, dtype=dtype)
+    return out, lse.to(dtype)
 
 
 def band_mask(sq: int, skv: int, left: int = -1, right: int = -1, bottom_right: bool = False,
@@ -68,10 +55,8 @@ def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
 
 
 def tolerance(q, k, v, scale, mask=None, score_fn=None, dtype=torch.float32, factor=3.0, floor=1e-6) -> float:
-    """factor * (max error of naive attention computed in `dtype` vs float64) + floor."""
-    exact, _ = naive_attention(q, k, v, scale, mask, score_fn)
-    approx, _ = naive_attention(q.to(dtype), k.to(dtype), v.to(dtype), scale, mask, score_fn, dtype=dtype)
-    return factor * (approx.double() - exact).abs().max().item() + floor
+    """The project's tolerance rule (`fused_attn.testing.tolerance`) for a result computed in `dtype`."""
+    return _tolerance(q, k, v, scale, dtype, mask, score_fn, factor=factor, floor=floor)
 
 
 @pytest.fixture
