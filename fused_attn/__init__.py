@@ -1,13 +1,17 @@
 """fused_attn: attention for PyTorch on cuDNN frontend SDPA graphs, with score_mods written once."""
 
-from .functional import dot_product_attention
+from .functional import dot_product_attention, explain
 from .module import DotProductAttention
+from .plan import Explanation, FallbackWarning
 from .varlen import AuxRequest, doc_packed_attn, varlen_attn
 from . import graph_cache
 
 __all__ = [
     "DotProductAttention",
     "dot_product_attention",
+    "explain",
+    "Explanation",
+    "FallbackWarning",
     "varlen_attn",
     "AuxRequest",
     "doc_packed_attn",

@@ -79,8 +79,6 @@ def _allowed(sq: int, skv: int, lq: int, lkv: int, mask: str, window, device) ->
 
 def _run_case(case: Case, device: torch.device, dtype: torch.dtype, b: int, h: int, s: int, d: int) -> Dict[str, Any]:
     import fused_attn
-    from fused_attn.backends import select
-    from fused_attn.functional import build_problem
     from fused_attn.layouts import from_logical
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -117,8 +115,7 @@ def _run_case(case: Case, device: torch.device, dtype: torch.dtype, b: int, h: i
             cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(b)], dtype=torch.int32, device=device)
             kwargs.update(cu_seqlens_q=cu, cu_seqlens_kv=cu)
         ref = from_logical(_naive(ql, kl, vl, scale, torch.stack(oks)[:, None], score_fn), case.fmt)
-    problem, _ = build_problem(*args, **kwargs)
-    backend, _ = select.choose(problem, "auto")
+    backend = fused_attn.explain(*args, **kwargs).backend
     out = fused_attn.dot_product_attention(*args, **kwargs)
     reps = 3 if device.type == "cpu" else 20
     if device.type == "cuda":

@@ -1,56 +1,54 @@
-"""A backend-generic torch.autograd.Function over a backend module's forward / backward.
+"""Autograd over a call plan's runner: the backward uses exactly what its forward used.
 
-    out, lse = attention(backend_module, problem)
+    out, lse = attention(plan, q, k, v, varlen, mod, sinks)
 
-Forward calls `backend.forward(problem) -> (out, lse, saved)`; backward calls
-`backend.backward(problem, out, saved, grad_out) -> (dq, dk, dv)` with the saved query, key,
-value, out and `saved` (e.g. cuDNN's Stats): no forward recompute. Gradients flow to
-problem.query / key / value (the tensors the problem holds); lse is not differentiable.
+The runner's forward returns (out, lse, saved tensors, state); the saved tensors go through
+`save_for_backward` (so an in-place edit of q, k, v, a score_mod tensor parameter or the sinks
+between forward and backward raises torch's usual error instead of giving gradients of another
+function) and `state` carries the rest (the score_mod's values as the forward bound them, the
+varlen preparation). The backward calls `runner.backward(state, saved, grad_out)` for the
+gradients of q, k, v and of `runner.grad_inputs(mod, sinks)` (the floating score_mod tensor
+parameters and sinks the backend differentiates): no re-validation, no re-selection, no
+re-keying. lse is not differentiable.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from types import ModuleType
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
-from .problem import AttentionProblem
-
-__all__ = ["attention", "BackendAttention"]
+__all__ = ["attention", "PlanAttention"]
 
 
-class BackendAttention(torch.autograd.Function):
-    """apply(backend, problem, query, key, value) -> (out, lse or None)."""
+class PlanAttention(torch.autograd.Function):
+    """apply(runner, varlen, mod, sinks, q, k, v, *extras) -> (out, lse or None)."""
 
     @staticmethod
-    def forward(ctx, backend: ModuleType, problem: AttentionProblem, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor):
-        out, lse, saved = backend.forward(problem)
-        ctx.backend = backend
-        # The problem minus q/k/v (those go through save_for_backward, which checks in-place edits).
-        ctx.problem = dataclasses.replace(problem, query=None, key=None, value=None)
-        ctx.save_for_backward(query, key, value, out, saved)
+    def forward(ctx, runner: Any, varlen: Any, mod: Any, sinks: Optional[torch.Tensor], query: torch.Tensor,
+                key: torch.Tensor, value: torch.Tensor, *extras: torch.Tensor):
+        out, lse, saved, state = runner.forward(query, key, value, varlen, mod, sinks)
+        ctx.runner, ctx.state, ctx.n_extras = runner, state, len(extras)
+        ctx.save_for_backward(*saved)
         if lse is not None:
             ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_lse: Optional[torch.Tensor]):
-        query, key, value, out, saved = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None, None, None
-        problem = dataclasses.replace(ctx.problem, query=query, key=key, value=value)
-        dq, dk, dv = ctx.backend.backward(problem, out, saved, grad_out)
-        return None, None, dq, dk, dv
+            return (None,) * (4 + 3 + ctx.n_extras)
+        grads = ctx.runner.backward(ctx.state, ctx.saved_tensors, grad_out)
+        # runner, varlen, mod, sinks (the tensor itself is among the extras), q, k, v, *extras
+        return (None, None, None, None) + tuple(grads)
 
 
-def attention(backend: ModuleType, problem: AttentionProblem) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Differentiable (out, lse) of `problem` on `backend` (a module with forward/backward)."""
-    needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (problem.query, problem.key, problem.value))
-    if not needs_grad:
-        out, lse, _ = backend.forward(problem)
-        return out, lse
-    return BackendAttention.apply(backend, problem, problem.query, problem.key, problem.value)
+def attention(runner: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, varlen: Any, mod: Any,
+              sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Differentiable (out, lse or None) through `runner` (plain forward when no input needs grad)."""
+    extras = runner.grad_inputs(mod, sinks)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                    or any(t.requires_grad for t in extras)):
+        return PlanAttention.apply(runner, varlen, mod, sinks, query, key, value, *extras)
+    out, lse, _, _ = runner.forward(query, key, value, varlen, mod, sinks)
+    return out, lse

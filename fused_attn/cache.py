@@ -33,7 +33,9 @@ class GraphKey:
     q_dims (B, H, Sq, D), k_dims (B, Hkv, Skv, D), v_dims (B, Hkv, Skv, Dv): logical graph dims
     (for thd: (B_bucket, H, S_bucket, D)); *_strides: element strides of those views
     (o_strides: the output's, which dO / the output buffer share). GQA is H != Hkv in the dims.
-    scale: softmax scale baked in the graph. band: (left_bound, right_bound, bottom_right) in
+    scale: softmax scale baked in the graph, or None when it is a pass-by-value input (a new
+    value then never rebuilds). bias: (dims, strides, dtype name, with dBias) of cuDNN's own bias
+    input or None. sinks: a (1, H, 1, 1) fp32 sink-logit input (and dSink in the backward). band: (left_bound, right_bound, bottom_right) in
     cuDNN's convention, or None. padding: use_padding_mask with seq_len tensors.
     ragged: thd (ragged offsets); the bucket sizes are in the dims.
     score_mod / operands: the mod's structural key and `describe_operands` of its graph inputs.
@@ -48,7 +50,7 @@ class GraphKey:
     k_strides: Dims
     v_strides: Dims
     o_strides: Dims
-    scale: float
+    scale: Optional[float]
     band: Optional[Tuple[Optional[int], Optional[int], bool]] = None
     padding: bool = False
     ragged: bool = False
@@ -57,6 +59,8 @@ class GraphKey:
     deterministic: bool = False
     device_index: int = 0
     backend_version: int = 0
+    bias: Optional[tuple] = None
+    sinks: bool = False
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -70,7 +74,7 @@ class GraphKey:
             self.direction, self.dtype, self.q_dims, self.k_dims, self.v_dims, self.q_strides,
             self.k_strides, self.v_strides, self.o_strides, self.scale, self.band, self.padding,
             self.ragged, self.score_mod, self.operands, self.deterministic, self.device_index,
-            self.backend_version,
+            self.backend_version, self.bias, self.sinks,
         )
 
     def __hash__(self) -> int:
@@ -91,6 +95,10 @@ class GraphKey:
             parts.append("thd (ragged)")
         if self.score_mod is not None:
             parts.append(f"score_mod {self.score_mod!r}")
+        if self.bias is not None:
+            parts.append(f"bias{list(self.bias[0])} {self.bias[2]}{' + dBias' if self.bias[3] else ''}")
+        if self.sinks:
+            parts.append("sinks")
         if self.deterministic:
             parts.append("deterministic")
         return ", ".join(parts)
@@ -230,16 +238,15 @@ def _release_at_exit() -> None:
     per-thread handles and per-stream workspaces, its key memo and prepared varlen batches, and
     the score_mod lowering's memo caches. Modules never imported are skipped (nothing to free)."""
     GRAPH_CACHE.clear()
-    backend = sys.modules.get("fused_attn.backends.cudnn")
-    if backend is not None:
-        backend._KEY_MEMO.clear()
-        backend._LEN_SCALARS.clear()
+    plan = sys.modules.get("fused_attn.plan")
+    if plan is not None:
+        plan.clear_plans()
     runtime = sys.modules.get("fused_attn.backends.cudnn.runtime")
     if runtime is not None:
         runtime.release_all()
     varlen = sys.modules.get("fused_attn.backends.cudnn.varlen")
     if varlen is not None:
-        varlen._PREPARED.clear()
+        varlen.release_prepared()
     lower = sys.modules.get("score_mods.lower_cudnn")
     if lower is not None:
         for fn in (lower.is_scalar, lower.is_derived, lower.plan_for):

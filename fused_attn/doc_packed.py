@@ -27,7 +27,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import functional
+from .functional import run_spec
+from .plan import Varlen
+from .spec import resolve_spec
 from .validation import check_window
 
 __all__ = ["doc_packed_attn", "doc_cu_seqlens", "check_doc_boundaries"]
@@ -45,12 +47,14 @@ def doc_cu_seqlens(cu_seq: torch.Tensor, seq_len: int) -> torch.Tensor:
     return torch.cat([starts.reshape(-1), end]).to(torch.int32)
 
 
-def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch.device) -> None:
+def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch.device,
+                         max_doc_len: Optional[int] = None) -> None:
     """Validate ``cu_seq`` (B, MAX_DOCS+1) int32; raises TypeError/ValueError naming the problem.
 
     Structure (type, dtype, rank, batch, device) is checked on the host; values (start at 0,
-    end at S, non-decreasing, within [0, S]) with one host read for CPU tables; for CUDA tables
-    and under torch.compile the value check is an asynchronous device assertion (no sync).
+    end at S, non-decreasing, documents no longer than max_doc_len) with one host read for CPU
+    tables; for CUDA tables, fake tensors and under torch.compile the value check is an
+    asynchronous device assertion (no sync).
     """
     if not isinstance(cu_seq, torch.Tensor):
         raise TypeError(f"cu_seq must be a (B, MAX_DOCS+1) int32 torch.Tensor, got {type(cu_seq).__name__}")
@@ -64,36 +68,36 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
         raise ValueError(f"cu_seq needs at least 2 columns (MAX_DOCS >= 1), got shape {tuple(cu_seq.shape)}")
     if cu_seq.device != device:
         raise ValueError(f"cu_seq must be on the query's device {device}, got {cu_seq.device}")
-    in_range = (cu_seq >= 0) & (cu_seq <= seq_len)
-    ok = (
-        in_range.all()
-        & (cu_seq[:, 0] == 0).all()
-        & (cu_seq[:, -1] == seq_len).all()
-        & (cu_seq[:, 1:] >= cu_seq[:, :-1]).all()
-    )
-    if torch.compiler.is_compiling() or cu_seq.device.type == "cuda":
-        # No host sync on the hot path: a bad table stops the program at the next synchronization
+    limit = seq_len if max_doc_len is None else max_doc_len
+    lens = cu_seq[:, 1:] - cu_seq[:, :-1]
+    if torch.compiler.is_compiling() or cu_seq.device.type != "cpu" or _is_fake(cu_seq):
+        # No host read on the hot path: a bad table stops the program at the next synchronization
         # with this device-side assertion (CPU tables raise ValueError right here).
-        torch._assert_async(ok, "cu_seq rows must start at 0, end at S and be non-decreasing")
+        ok = ((cu_seq[:, 0] == 0).all() & (cu_seq[:, -1] == seq_len).all() & (lens >= 0).all()
+              & (lens <= limit).all())
+        torch._assert_async(ok, f"cu_seq rows must start at 0, end at S={seq_len}, be non-decreasing, and hold "
+                                f"documents no longer than max_doc_len={limit}")
         return
-    if bool(ok):  # CPU: a plain host read
-        return
-    # Error path only: find the first offending row for the message.
-    bad_range = (~in_range).any(dim=1)
-    bad_start = cu_seq[:, 0] != 0
-    bad_end = cu_seq[:, -1] != seq_len
-    bad_order = (cu_seq[:, 1:] < cu_seq[:, :-1]).any(dim=1)
-    for what, mask in (
-        (f"values outside [0, S={seq_len}]", bad_range),
-        ("does not start at 0", bad_start),
-        (f"does not end at S={seq_len} (pad short rows by repeating S)", bad_end),
-        ("is decreasing (boundaries must be non-decreasing)", bad_order),
-    ):
-        rows = mask.nonzero().flatten().tolist()
-        if rows:
-            b = rows[0]
-            raise ValueError(f"cu_seq row {b} {what}: {cu_seq[b].tolist()}")
-    raise ValueError(f"cu_seq is not a valid boundary table for S={seq_len}")  # pragma: no cover
+    rows = cu_seq.tolist()
+    for b, row in enumerate(rows):
+        if any(x < 0 or x > seq_len for x in row):
+            raise ValueError(f"cu_seq row {b} has values outside [0, S={seq_len}]: {row}")
+        if row[0] != 0:
+            raise ValueError(f"cu_seq row {b} does not start at 0: {row}")
+        if row[-1] != seq_len:
+            raise ValueError(f"cu_seq row {b} does not end at S={seq_len} (pad short rows by repeating S): {row}")
+        for i in range(1, len(row)):
+            if row[i] < row[i - 1]:
+                raise ValueError(f"cu_seq row {b} is decreasing (boundaries must be non-decreasing): {row}")
+            if row[i] - row[i - 1] > limit:
+                raise ValueError(f"cu_seq row {b} has a document of length {row[i] - row[i - 1]} > max_doc_len="
+                                 f"{limit}: {row}")
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
@@ -178,25 +182,15 @@ def doc_packed_attn(
     """
     _check_qkv(query, key, value, enable_gqa)
     batch, seq_len = query.shape[0], query.shape[1]
-    check_doc_boundaries(cu_seq, batch, seq_len, query.device)
-    mask_type, window = _mask(is_causal, window_size)
     if max_doc_len is None:
         max_doc_len = seq_len
     elif isinstance(max_doc_len, bool) or not isinstance(max_doc_len, int) or not 0 <= max_doc_len <= seq_len:
         raise ValueError(f"max_doc_len must be None or an int in [0, S={seq_len}], got {max_doc_len!r}")
+    check_doc_boundaries(cu_seq, batch, seq_len, query.device, max_doc_len)
+    mask_type, window = _mask(is_causal, window_size)
+    spec, mod = resolve_spec(qkv_format="thd", attn_mask_type=mask_type, window_size=window, softmax_scale=scale,
+                             score_mod=score_mod)
     cu = doc_cu_seqlens(cu_seq, seq_len)
-    out = functional.dot_product_attention(
-        _packed(query),
-        _packed(key),
-        _packed(value),
-        qkv_format="thd",
-        attn_mask_type=mask_type,
-        window_size=window,
-        softmax_scale=scale,
-        score_mod=score_mod,
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=max_doc_len,
-        max_seqlen_kv=max_doc_len,
-    )
+    varlen = Varlen(cu, cu, None, None, max_doc_len, max_doc_len)
+    out = run_spec(spec, mod, _packed(query), _packed(key), _packed(value), varlen)
     return out.view(batch, seq_len, out.shape[-2], out.shape[-1])

@@ -1,4 +1,9 @@
-"""`dot_product_attention`: validate the arguments, build an AttentionProblem, dispatch to a backend."""
+"""`dot_product_attention`: resolve the spec, look up the call plan, run it.
+
+The first call with a new configuration resolves an `AttentionSpec` (memoized on the
+arguments); the first call with a new tensor signature makes a `CallPlan` (validation, backend
+choice and reason, graphs). Every later call is a memo hit, a plan hit, and the plan's run.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +12,11 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from . import validation as V
-from .backends import select
-from .layouts import from_logical, logical_shape, to_logical
-from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS, AttentionProblem, Band
+from .autograd import attention
+from .plan import NO_VARLEN, Explanation, Varlen, explain_plan, get_plan
+from .spec import AttentionSpec, resolve_spec
 
-__all__ = ["dot_product_attention", "build_problem"]
-
-_PADDING_TWIN = {"padding": "no_mask", "padding_causal": "causal"}
+__all__ = ["dot_product_attention", "explain", "run_spec"]
 
 
 def dot_product_attention(
@@ -38,6 +41,9 @@ def dot_product_attention(
     return_lse: bool = False,
     backend: str = "auto",
     deterministic: bool = False,
+    softmax_type: str = "vanilla",
+    sinks: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """softmax(mask(score_mod(softmax_scale * Q K^T))) V.
 
@@ -72,115 +78,83 @@ def dot_product_attention(
     sees scaled scores. Masks and windows are then applied as score_mods after it.
 
     cu_seqlens_*_padded (thd only): token offsets of each sequence when there are gaps.
-    max_seqlen_q/kv: Python ints >= every length; for thd, None derives them from cu_seqlens.
-    Validating cu_seqlens values costs one device->host copy (a sync on CUDA) per call.
+    max_seqlen_q/kv: Python ints >= every length; for thd, None derives them from cu_seqlens
+    (one device->host copy, a sync on CUDA: give them to keep the call sync-free). cu_seqlens
+    values are checked per call (CPU: ValueError; CUDA: an asynchronous device assertion).
+
+    softmax_type: "vanilla"; "off-by-one" (softmax with an extra logit 0 per row, no value);
+    "learnable" (the extra logit per head is `sinks`, a floating (H,) tensor, trainable: it
+    receives a gradient). lse then includes the sink. dropout_p: attention dropout probability.
 
     backend: "auto" (cuDNN on CUDA when it can serve, else the reference), "cudnn" or
     "reference"; an explicit backend that cannot serve raises NotImplementedError.
     deterministic: use cuDNN's deterministic backward (the reference is always deterministic).
     """
-    problem, backend = build_problem(
-        query, key, value, qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
-        softmax_scale=softmax_scale, score_mod=score_mod, score_mod_tensors=score_mod_tensors,
-        score_mod_bprop=score_mod_bprop, score_mod_bprop_tensors=score_mod_bprop_tensors,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-        cu_seqlens_kv_padded=cu_seqlens_kv_padded, return_lse=return_lse, backend=backend,
-        deterministic=deterministic)
-    out, lse = select.run(problem, backend)
-    if not problem.is_packed:
-        out = from_logical(out, qkv_format)
-    return (out, lse) if return_lse else out
-
-
-def build_problem(query: Any, key: Any, value: Any, *, qkv_format: str = "bshd", attn_mask_type: str = "no_mask",
-                  window_size: Any = None, softmax_scale: Any = None, score_mod: Any = None,
-                  score_mod_tensors: Any = None, score_mod_bprop: Any = None, score_mod_bprop_tensors: Any = None,
-                  cu_seqlens_q: Any = None, cu_seqlens_kv: Any = None, max_seqlen_q: Any = None,
-                  max_seqlen_kv: Any = None, cu_seqlens_q_padded: Any = None, cu_seqlens_kv_padded: Any = None,
-                  return_lse: bool = False, backend: str = "auto",
-                  deterministic: bool = False) -> Tuple[AttentionProblem, str]:
-    """Validate the arguments of `dot_product_attention`; return (AttentionProblem, backend name)."""
-    V.check_choice("qkv_format", qkv_format, QKV_FORMATS)
-    V.check_choice("attn_mask_type", attn_mask_type, MASK_TYPES)
-    V.check_choice("backend", backend, BACKENDS)
-    V.check_bool("return_lse", return_lse)
-    V.check_bool("deterministic", deterministic)
-    V.check_qkv(query, key, value, qkv_format)
-    packed = qkv_format == "thd"
-    window = V.check_window(window_size)
-    band = V.resolve_band(_PADDING_TWIN.get(attn_mask_type, attn_mask_type) if packed else attn_mask_type, window)
-    scale = V.check_scale(softmax_scale, query.shape[-1])
-    lengths = V.check_lengths(qkv_format, attn_mask_type, query, key, cu_seqlens_q, cu_seqlens_kv,
-                              cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
-    mod = None
-    if any(x is not None for x in (score_mod, score_mod_tensors, score_mod_bprop, score_mod_bprop_tensors)):
-        from score_mods import as_score_mod
-
-        mod = as_score_mod(score_mod, tensors=score_mod_tensors, bprop=score_mod_bprop,
-                           bprop_tensors=score_mod_bprop_tensors)
-    native = getattr(mod, "native_band", None)
-    if native is not None:
-        as_band = Band(*native)
-        if band is None or band == as_band:  # a pure mask: the backend's own band serves it
-            band, mod = as_band, None
-    if mod is not None:
-        mod = _with_masks(mod, band, padded=lengths.seqlens_q is not None)
-        band = None
-        heads = logical_shape(query, qkv_format)[1]
-        batch = cu_seqlens_q.numel() - 1 if packed else logical_shape(query, qkv_format)[0]
-        mod.check(device=query.device, batch=batch, heads=heads, seqlen_q=lengths.max_seqlen_q,
-                  seqlen_kv=lengths.max_seqlen_kv)
-    if packed:
-        q, k, v = query, key, value
+    spec, mod = resolve_spec(qkv_format, attn_mask_type, window_size, softmax_scale, score_mod, score_mod_tensors,
+                             score_mod_bprop, score_mod_bprop_tensors, return_lse, backend, deterministic,
+                             softmax_type, dropout_p)
+    if (cu_seqlens_q is None and cu_seqlens_kv is None and max_seqlen_q is None and max_seqlen_kv is None
+            and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None):
+        varlen = NO_VARLEN
     else:
-        q, k, v = (to_logical(t, qkv_format) for t in (query, key, value))
-    problem = AttentionProblem(
-        query=q, key=k, value=v, qkv_format=qkv_format, scale=scale, band=band,
-        seqlens_q=lengths.seqlens_q, seqlens_kv=lengths.seqlens_kv,
-        cu_seqlens_q=cu_seqlens_q if packed else None, cu_seqlens_kv=cu_seqlens_kv if packed else None,
-        cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-        max_seqlen_q=lengths.max_seqlen_q, max_seqlen_kv=lengths.max_seqlen_kv, score_mod=mod,
-        return_lse=return_lse, deterministic=deterministic)
-    return problem, backend
+        varlen = Varlen(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
+                        max_seqlen_kv)
+    return run_spec(spec, mod, query, key, value, varlen, sinks)
 
 
-def _with_masks(mod: Any, band: Optional[Band], padded: bool) -> Any:
-    """compose(mod, <band as a score_mod>, <padding mask>): cuDNN refuses its masks with a score_mod."""
-    from score_mods.library import causal, causal_bottom_right, compose, padding_mask, sliding_window
-
-    parts = []
-    if band is not None:
-        if band.left is None and band.right == 0:
-            parts.append(causal_bottom_right() if band.bottom_right else causal())
-        else:
-            left = -1 if band.left is None else band.left
-            right = -1 if band.right is None else band.right
-            parts.append(sliding_window(left, right, band.bottom_right))
-    if padded:
-        parts.append(padding_mask())
-    return compose(mod, *parts) if parts else mod
+def _complete(spec: AttentionSpec, varlen: Varlen) -> Varlen:
+    """thd without max_seqlen: derive it from cu_seqlens (the documented host read)."""
+    if spec.is_packed and (varlen.max_seqlen_q is None or varlen.max_seqlen_kv is None):
+        mq, mk = V.derive_max_seqlens(varlen)
+        return varlen._replace(max_seqlen_q=mq, max_seqlen_kv=mk)
+    return varlen
 
 
-def fuse_masks(score_mod: Any, attn_mask_type: str, window_size: Any, qkv_format: str) -> Optional[Any]:
-    """The one ScoreMod that `dot_product_attention` would run for (score_mod, mask, window), or
-    None when it would not compose (no score_mod, no band, a padding mask that needs per-call
-    lengths, or a pure mask served by the backend's own band).
+def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, varlen: Varlen,
+             sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
+    varlen = _complete(spec, varlen)
+    if torch.compiler.is_compiling():
+        from . import ops
 
-    `DotProductAttention` calls it once per configuration, so a compiled model never builds
-    score_mod objects while being traced.
+        out, lse = ops.attention(spec, mod, query, key, value, varlen, sinks)
+    else:
+        plan = get_plan(spec, mod, query, key, value, varlen, sinks)
+        check_values(plan, query, key, varlen)
+        out, lse = attention(plan.runner, query, key, value, varlen, mod, sinks)
+    return (out, lse) if spec.return_lse else out
+
+
+def check_values(plan: Any, query: torch.Tensor, key: torch.Tensor, varlen: Varlen) -> None:
+    """The per-call cu_seqlens value checks, unless the plan's runner does them itself."""
+    problem = plan.problem
+    if not problem.has_lengths or getattr(plan.runner, "validates_lengths", False):
+        return
+    if problem.spec.is_packed:
+        limits = (varlen.max_seqlen_q, varlen.max_seqlen_kv)
+    else:
+        limits = (problem.seqlen_q, problem.seqlen_kv)
+    V.check_length_values(problem.spec.qkv_format, query, key, varlen, limits)
+
+
+def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Explanation:
+    """Which backend `dot_product_attention(query, key, value, **kwargs)` runs on, and why.
+
+    Returns Explanation(backend, reason, problem): e.g. ("reference", "cuDNN cannot serve it: ...",
+    "qkv_format='bshd', ..."). Makes (and caches) the call plan; runs no attention.
     """
-    if score_mod is None or attn_mask_type in ("padding", "padding_causal"):
-        return None
-    from score_mods import ScoreMod, as_score_mod
+    cfg = dict(kwargs)
+    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
+             "max_seqlen_kv")
+    varlen = Varlen(*(cfg.pop(n, None) for n in names))
+    sinks = cfg.pop("sinks", None)
+    unknown = sorted(set(cfg) - _SPEC_ARGS)
+    if unknown:
+        raise TypeError(f"explain got unexpected keyword(s) {unknown}; it takes dot_product_attention's arguments")
+    spec, mod = resolve_spec(**cfg)
+    return explain_plan(spec, mod, query, key, value, _complete(spec, varlen), sinks)
 
-    mod = as_score_mod(score_mod)
-    if not isinstance(mod, ScoreMod):
-        return None
-    packed = qkv_format == "thd"
-    band = V.resolve_band(_PADDING_TWIN.get(attn_mask_type, attn_mask_type) if packed else attn_mask_type,
-                          V.check_window(window_size))
-    native = getattr(mod, "native_band", None)
-    if band is None or (native is not None and Band(*native) == band):
-        return None
-    return _with_masks(mod, band, padded=False)
+
+_SPEC_ARGS = frozenset({"qkv_format", "attn_mask_type", "window_size", "softmax_scale", "score_mod",
+                        "score_mod_tensors", "score_mod_bprop", "score_mod_bprop_tensors", "return_lse", "backend",
+                        "deterministic", "softmax_type", "dropout_p"})

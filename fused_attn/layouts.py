@@ -13,7 +13,6 @@ from typing import Tuple
 
 import torch
 
-from .problem import AttentionProblem
 
 DENSE_FORMATS = ("bshd", "sbhd", "bhsd")
 
@@ -50,36 +49,3 @@ def dims(t: torch.Tensor, qkv_format: str) -> Tuple[int, int, int, int]:
     """(B, H, S, D) of a dense tensor in `qkv_format` (thd: (1, H, T, D))."""
     b, h, s, d = logical_shape(t, qkv_format)
     return b, h, s, d
-
-
-def in_query_layout(out_logical: torch.Tensor, qkv_format: str) -> torch.Tensor:
-    """Logical (B, H, Sq, Dv) -> same values as a logical view of memory laid out in `qkv_format`.
-
-    Differentiable (plain permute + contiguous); no copy when already in that order.
-    """
-    return to_logical(from_logical(out_logical, qkv_format).contiguous(), qkv_format)
-
-
-def lse_shape(problem: AttentionProblem) -> Tuple[int, ...]:
-    """(B, H, Sq) for dense problems, (H, Tq) for thd."""
-    q = problem.query
-    if problem.is_packed:
-        return q.shape[1], q.shape[0]
-    return q.shape[0], q.shape[1], q.shape[2]
-
-
-def empty_like_output(problem: AttentionProblem, *, zero: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Allocate the output: (out in the query's format with Dv, its logical view).
-
-    Dense: out (format shape, contiguous in format order), logical view (B, H, Sq, Dv).
-    thd: out (Tq, H, Dv), logical view (H, Tq, Dv). `zero=True` fills with zeros (thd gaps).
-    """
-    q, v = problem.query, problem.value
-    alloc = torch.zeros if zero else torch.empty
-    if problem.is_packed:
-        out = alloc((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype, device=q.device)
-        return out, out.permute(1, 0, 2)
-    b, h, sq, _ = q.shape
-    fmt = problem.qkv_format
-    out = alloc(format_shape(fmt, b, h, sq, v.shape[-1]), dtype=q.dtype, device=q.device)
-    return out, to_logical(out, fmt)

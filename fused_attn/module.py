@@ -1,24 +1,35 @@
-"""`DotProductAttention`: an nn.Module holding the attention configuration (Transformer Engine style)."""
+"""`DotProductAttention`: an nn.Module holding the attention configuration (Transformer Engine style).
+
+The module resolves its `AttentionSpec` once, when it is built, and again whenever a
+configuration attribute is assigned (`attn.score_mod = ...`, `attn.window_size = ...`,
+`attn.attn_mask_type = ...`): a forward call is a spec read, a call-plan hit and the run.
+"""
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from . import validation as V
-from .functional import dot_product_attention, fuse_masks
+from .functional import run_spec
 from .layouts import dims
+from .plan import NO_VARLEN, Varlen
 from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS
+from .spec import SOFTMAX_TYPES, check_dropout, resolve_spec
 
 __all__ = ["DotProductAttention"]
 
-_CALL_KWARGS = frozenset(inspect.signature(dot_product_attention).parameters) - {"query", "key", "value"}
-#: Per-call overrides that change what the configured score_mod composes with.
-_MASK_KWARGS = frozenset({"attn_mask_type", "window_size", "qkv_format", "score_mod", "score_mod_tensors",
-                          "score_mod_bprop", "score_mod_bprop_tensors"})
+#: Configuration attributes: assigning one re-validates it and re-resolves the spec.
+CONFIG = ("qkv_format", "attn_mask_type", "window_size", "softmax_scale", "score_mod", "backend", "deterministic",
+          "softmax_type", "attention_dropout")
+_VARLEN = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
+           "max_seqlen_kv")
+_SPEC_KWARGS = frozenset({"qkv_format", "attn_mask_type", "window_size", "softmax_scale", "score_mod",
+                          "score_mod_tensors", "score_mod_bprop", "score_mod_bprop_tensors", "return_lse", "backend",
+                          "deterministic"})
+_CALL_KWARGS = _SPEC_KWARGS | frozenset(_VARLEN)
 
 
 def _stable_mod(current: Any, new: Any) -> Any:
@@ -39,9 +50,6 @@ def _stable_mod(current: Any, new: Any) -> Any:
         return current
     copy = new.private_copy()
     copy.scalar_tensor()  # made here, outside any compiled region
-    from .ops import prepare_score_mod
-
-    prepare_score_mod(copy)
     return copy
 
 
@@ -54,7 +62,7 @@ def _positive_int(arg: str, value: Any) -> int:
 
 
 class DotProductAttention(nn.Module):
-    """Scaled dot-product attention with masks, windows, GQA, varlen and score_mods.
+    """Scaled dot-product attention with masks, windows, GQA, varlen, sinks, dropout and score_mods.
 
     Args:
         num_attention_heads: H, query heads.
@@ -62,17 +70,24 @@ class DotProductAttention(nn.Module):
         num_gqa_groups: Hkv, key/value heads (default H); H must be a multiple of it.
         qkv_format, attn_mask_type, window_size, softmax_scale, score_mod, backend,
         deterministic: defaults for `fused_attn.dot_product_attention`.
+        softmax_type: "vanilla", "off-by-one" (a sink logit 0 per head) or "learnable" (a
+            trained per-head sink logit: the parameter `sinks`, shape (H,), initialised to 0).
+        attention_dropout: dropout probability on the attention weights, applied in training
+            mode only (`module.train()`), with torch's RNG.
 
     forward(query, key, value, **overrides): any keyword of `dot_product_attention`
-    (attn_mask_type, score_mod, cu_seqlens_q, return_lse, ...) overrides the default for one call.
-    Shapes: see `dot_product_attention` (e.g. bshd: query (B, S, H, D) -> out (B, S, H, D_v)).
+    (attn_mask_type, score_mod, cu_seqlens_q, max_seqlen_q, return_lse, ...) overrides the
+    default for one call. Shapes: see `dot_product_attention` (e.g. bshd: query (B, S, H, D) ->
+    out (B, S, H, D_v)). Assigning a configuration attribute takes effect at the next call.
     """
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, qkv_format: str = "bshd", attn_mask_type: str = "no_mask",
                  window_size: Optional[Tuple[int, int]] = None, softmax_scale: Optional[float] = None,
-                 score_mod: Any = None, backend: str = "auto", deterministic: bool = False) -> None:
+                 score_mod: Any = None, backend: str = "auto", deterministic: bool = False,
+                 softmax_type: str = "vanilla", attention_dropout: float = 0.0) -> None:
         super().__init__()
+        self._ready = False
         self.num_attention_heads = _positive_int("num_attention_heads", num_attention_heads)
         if isinstance(kv_channels, (tuple, list)):
             if len(kv_channels) != 2:
@@ -86,76 +101,141 @@ class DotProductAttention(nn.Module):
         if self.num_attention_heads % self.num_gqa_groups != 0:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_gqa_groups ({self.num_gqa_groups})")
-        self.qkv_format = V.check_choice("qkv_format", qkv_format, QKV_FORMATS)
-        self.attn_mask_type = V.check_choice("attn_mask_type", attn_mask_type, MASK_TYPES)
-        self.window_size = V.check_window(window_size)
-        if self.window_size is not None:
-            V.resolve_band(attn_mask_type, self.window_size)  # causal + two-sided window -> ValueError
-        if softmax_scale is not None:
-            V.check_scale(softmax_scale, self.head_dim_qk)
+        self.qkv_format = qkv_format
+        self.attn_mask_type = attn_mask_type
+        self.window_size = window_size
         self.softmax_scale = softmax_scale
+        self.backend = backend
+        self.deterministic = deterministic
+        self.softmax_type = softmax_type
+        self.attention_dropout = attention_dropout
         self.score_mod = score_mod
-        self.backend = V.check_choice("backend", backend, BACKENDS)
-        self.deterministic = V.check_bool("deterministic", deterministic)
+        if self.softmax_type == "learnable":
+            self.sinks = nn.Parameter(torch.zeros(self.num_attention_heads))
+        else:
+            self.sinks = None
+        self._ready = True
+        self._resolve()
+
+    # ------------------------------------------------------------------ configuration
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in CONFIG:
+            value = self._validated(name, value)
+            object.__setattr__(self, "_" + name, value)
+            if name == "score_mod":
+                object.__setattr__(self, "_call_mod", _stable_mod(self.__dict__.get("_call_mod"), value))
+            if self.__dict__.get("_ready"):
+                self._resolve()
+            return
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in CONFIG:
+            return self.__dict__["_" + name]
+        return super().__getattr__(name)
+
+    def _validated(self, name: str, value: Any) -> Any:
+        if name == "qkv_format":
+            return V.check_choice("qkv_format", value, QKV_FORMATS)
+        if name == "attn_mask_type":
+            return V.check_choice("attn_mask_type", value, MASK_TYPES)
+        if name == "window_size":
+            return V.check_window(value)
+        if name == "softmax_scale":
+            return None if value is None else V.check_scale(value, self.head_dim_qk)
+        if name == "backend":
+            return V.check_choice("backend", value, BACKENDS)
+        if name == "deterministic":
+            return V.check_bool("deterministic", value)
+        if name == "softmax_type":
+            if self.__dict__.get("_ready"):
+                raise AttributeError("softmax_type is fixed at construction (it decides the sinks parameter)")
+            return V.check_choice("softmax_type", value, SOFTMAX_TYPES)
+        if name == "attention_dropout":
+            return check_dropout(value)
+        return value
+
+    def _resolve(self) -> None:
+        """Resolve the spec for training and evaluation mode (dropout differs); raises on a bad
+        combination (e.g. a causal mask with a two-sided window) at assignment time."""
+        common = dict(qkv_format=self._qkv_format, attn_mask_type=self._attn_mask_type,
+                      window_size=self._window_size, softmax_scale=self._softmax_scale, score_mod=self._call_mod,
+                      backend=self._backend, deterministic=self._deterministic, softmax_type=self._softmax_type)
+        eval_spec, mod = resolve_spec(**common)
+        train_spec = eval_spec
+        if self._attention_dropout:
+            train_spec, _ = resolve_spec(**common, dropout_p=self._attention_dropout)
+        object.__setattr__(self, "_specs", (eval_spec, train_spec, mod))
+        object.__setattr__(self, "_checked", {})
+
+    # ------------------------------------------------------------------ forward
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 **overrides: Any) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        unknown = sorted(set(overrides) - _CALL_KWARGS)
-        if unknown:
-            raise TypeError(f"DotProductAttention.forward got unexpected keyword(s) {unknown}; accepted: "
-                            f"{sorted(_CALL_KWARGS)}")
-        kwargs = dict(qkv_format=self.qkv_format, attn_mask_type=self.attn_mask_type, window_size=self.window_size,
-                      softmax_scale=self.softmax_scale, score_mod=self.score_mod, backend=self.backend,
-                      deterministic=self.deterministic)
-        if self._call_mod is not None and not _MASK_KWARGS.intersection(overrides):
-            # The configured score_mod (composed once with the configured mask; see the setter).
-            kwargs["score_mod"] = self._call_mod
-            if self._mask_fused:
-                kwargs.update(attn_mask_type="no_mask", window_size=None)
-        kwargs.update(overrides)
-        fmt = V.check_choice("qkv_format", kwargs["qkv_format"], QKV_FORMATS)
+        eval_spec, train_spec, mod = self._specs
+        spec = train_spec if self.training else eval_spec
+        varlen = NO_VARLEN
+        if overrides:
+            unknown = sorted(set(overrides) - _CALL_KWARGS)
+            if unknown:
+                raise TypeError(f"DotProductAttention.forward got unexpected keyword(s) {unknown}; accepted: "
+                                f"{sorted(_CALL_KWARGS)}")
+            if any(n in overrides for n in _VARLEN):
+                varlen = Varlen(*(overrides.get(n) for n in _VARLEN))
+            config = {n: overrides[n] for n in _SPEC_KWARGS if n in overrides}
+            if config:
+                cfg = dict(qkv_format=self._qkv_format, attn_mask_type=self._attn_mask_type,
+                           window_size=self._window_size, softmax_scale=self._softmax_scale, score_mod=self._call_mod,
+                           backend=self._backend, deterministic=self._deterministic, softmax_type=self._softmax_type,
+                           dropout_p=spec.dropout_p)
+                cfg.update(config)
+                spec, mod = resolve_spec(**cfg)
+        self._check_config(query, key, value, spec.qkv_format)
+        return run_spec(spec, mod, query, key, value, varlen, self.sinks)
+
+    def _check_config(self, query: Any, key: Any, value: Any, fmt: str) -> None:
+        """Heads and head dims against the module's configuration, once per shape triple."""
+        try:
+            sig = (query.shape, key.shape, value.shape, fmt)
+        except AttributeError:
+            return  # not tensors: the functional checks name the argument
+        if sig in self._checked:
+            return
         rank = 3 if fmt == "thd" else 4
-        if all(isinstance(t, torch.Tensor) and t.dim() == rank for t in (query, key, value)):
-            self._check_config(query, key, value, fmt)  # the functional API checks everything else
-        return dot_product_attention(query, key, value, **kwargs)
-
-    @property
-    def score_mod(self) -> Any:
-        """The configured score_mod; setting it recomposes it with the configured mask once."""
-        return self._score_mod
-
-    @score_mod.setter
-    def score_mod(self, value: Any) -> None:
-        self._score_mod = value
-        fused = fuse_masks(value, self.attn_mask_type, self.window_size, self.qkv_format)
-        self._mask_fused = fused is not None
-        self._call_mod = _stable_mod(getattr(self, "_call_mod", None), value if fused is None else fused)
-
-    def _check_config(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fmt: str) -> None:
-        want = (("query", query, self.num_attention_heads, self.head_dim_qk, "num_attention_heads"),
-                ("key", key, self.num_gqa_groups, self.head_dim_qk, "num_gqa_groups"),
-                ("value", value, self.num_gqa_groups, self.head_dim_v, "num_gqa_groups"))
-        for name, t, heads, dim, heads_arg in want:
-            _, h, _, d = dims(t, fmt)
-            if h != heads:
-                raise ValueError(f"{name} has {h} heads but the module was built with {heads_arg}={heads} "
-                                 f"(qkv_format={fmt!r}, shape {tuple(t.shape)})")
-            if d != dim:
-                raise ValueError(f"{name} has head dim {d} but the module was built with kv_channels="
-                                 f"{(self.head_dim_qk, self.head_dim_v)} (qkv_format={fmt!r}, shape {tuple(t.shape)})")
+        if all(t.dim() == rank for t in (query, key, value)):
+            want = (("query", query, self.num_attention_heads, self.head_dim_qk, "num_attention_heads"),
+                    ("key", key, self.num_gqa_groups, self.head_dim_qk, "num_gqa_groups"),
+                    ("value", value, self.num_gqa_groups, self.head_dim_v, "num_gqa_groups"))
+            for name, t, heads, dim, heads_arg in want:
+                _, h, _, d = dims(t, fmt)
+                if h != heads:
+                    raise ValueError(f"{name} has {h} heads but the module was built with {heads_arg}={heads} "
+                                     f"(qkv_format={fmt!r}, shape {tuple(t.shape)})")
+                if d != dim:
+                    raise ValueError(f"{name} has head dim {d} but the module was built with kv_channels="
+                                     f"{(self.head_dim_qk, self.head_dim_v)} (qkv_format={fmt!r}, shape "
+                                     f"{tuple(t.shape)})")
+        if len(self._checked) > 64:
+            self._checked.clear()
+        self._checked[sig] = True
 
     def extra_repr(self) -> str:
         kv = self.head_dim_qk if self.head_dim_qk == self.head_dim_v else (self.head_dim_qk, self.head_dim_v)
         parts = [f"num_attention_heads={self.num_attention_heads}", f"kv_channels={kv}",
-                 f"num_gqa_groups={self.num_gqa_groups}", f"qkv_format={self.qkv_format!r}",
-                 f"attn_mask_type={self.attn_mask_type!r}"]
-        if self.window_size is not None:
-            parts.append(f"window_size={self.window_size}")
-        if self.softmax_scale is not None:
-            parts.append(f"softmax_scale={self.softmax_scale}")
-        if self.score_mod is not None:
-            parts.append(f"score_mod={getattr(self.score_mod, 'name', getattr(self.score_mod, '__name__', 'custom'))}")
-        parts.append(f"backend={self.backend!r}")
-        if self.deterministic:
+                 f"num_gqa_groups={self.num_gqa_groups}", f"qkv_format={self._qkv_format!r}",
+                 f"attn_mask_type={self._attn_mask_type!r}"]
+        if self._window_size is not None:
+            parts.append(f"window_size={self._window_size}")
+        if self._softmax_scale is not None:
+            parts.append(f"softmax_scale={self._softmax_scale}")
+        if self._score_mod is not None:
+            parts.append(f"score_mod={getattr(self._score_mod, 'name', getattr(self._score_mod, '__name__', 'custom'))}")
+        if self._softmax_type != "vanilla":
+            parts.append(f"softmax_type={self._softmax_type!r}")
+        if self._attention_dropout:
+            parts.append(f"attention_dropout={self._attention_dropout}")
+        parts.append(f"backend={self._backend!r}")
+        if self._deterministic:
             parts.append("deterministic=True")
         return ", ".join(parts)

@@ -1,123 +1,109 @@
 """torch.library custom ops for torch.compile: ``fused_attn::attn_fwd`` and ``fused_attn::attn_bwd``.
 
-`backends/select.py` calls :func:`attention` while ``torch.compiler.is_compiling()``; eager calls
-keep the backends' own autograd path (less host overhead). The ops take the flattened fields of
-an :class:`~fused_attn.problem.AttentionProblem`; one implementation serves every device and
-calls ``fused_attn.backends.<backend>.forward / backward``.
+`functional.run_spec` calls :func:`attention` while ``torch.compiler.is_compiling()``; eager calls
+run the call plan directly (less host overhead). The ops take the call's tensors by name plus a
+*spec key*: a string naming an `AttentionSpec` registered when the call is traced (with the
+backend chosen from the tensors' metadata at that time). The implementation looks the spec up,
+rebinds its score_mod template to the call's values and runs the same call plan as eager calls.
 
-Score modifiers cannot be op arguments. :func:`register_score_mod` keeps a process-wide registry
-``stable key string -> ScoreMod template`` (the key hashes ``repr(score_mod.cache_key)``); the op
-receives that string plus the float parameters (a CPU float64 tensor, so new values never
-recompile) and tensor parameters
-(``Tensor[]``, in ``tensors()`` order) and rebinds them with ``template.rebind(scalars, tensors)``.
+Score modifiers cross the op boundary as that key plus their float parameters (one CPU float64
+tensor: a new value never recompiles) and tensor parameters (``Tensor[]``, in ``tensors()``
+order); the registry keeps templates without tensor data (meta tensors), bounded.
 
-Saved state: the forward op returns (out, lse, saved); ``saved`` is the backend's private tensor
-for backward. A backend whose ``forward`` returns a tensor there must provide
-``saved_like(problem) -> Tensor`` (an empty tensor of the right shape, dtype and device that works
-on fake tensors) so the fake implementation can describe it; ``None`` travels as a (0,) tensor.
-
-Aliasing: a custom op's outputs may alias neither its inputs nor each other. A backend whose lse
-is a view of ``saved`` (cuDNN dense: lse is Stats (B, H, Sq, 1) squeezed) defines
-``lse_from_saved(problem, saved) -> Optional[Tensor]`` (the view, or None where lse is a tensor
-of its own; it must work on fake tensors): the op then returns a (0,) placeholder for lse and
-:func:`attention` takes the view outside the op, at no cost. Any other output that still shares
-storage with an input or an earlier output is cloned (a safety net; no backend needs it today).
-
-Limitations: gradients flow to query, key and value only (not to lse or score_mod tensors).
+Outputs never alias inputs or each other: out and lse are fresh tensors; ``saved`` is the
+backend's tensor for the backward (cuDNN's fp32 Stats, or an empty tensor for the reference).
+Gradients flow to query, key, value, the sinks and the floating score_mod tensor parameters the
+backend differentiates (empty tensors stand for "no gradient").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import importlib
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections import OrderedDict
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .problem import AttentionProblem, Band
+from .plan import Varlen, get_plan
+from .spec import AttentionSpec
 
-__all__ = ["attention", "register_score_mod", "prepare_score_mod", "lookup_score_mod", "score_mod_key"]
+__all__ = ["attention", "register_spec", "lookup_spec", "spec_key"]
 
-_REGISTRY: Dict[str, object] = {}
+_REGISTRY: "OrderedDict[str, AttentionSpec]" = OrderedDict()
+_REGISTRY_MAX = 4096
 _REGISTRY_LOCK = threading.Lock()
 
 
-def score_mod_key(score_mod: object) -> str:
-    """Stable string for a ScoreMod's structural cache key (same across processes)."""
-    digest = hashlib.sha256(repr(score_mod.cache_key).encode()).hexdigest()[:20]
-    return f"{getattr(score_mod, 'name', 'score_mod')}:{digest}"
+def spec_key(spec: AttentionSpec) -> str:
+    """Stable string naming a spec (the same in every process)."""
+    digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:24]
+    name = getattr(spec.score_mod, "name", "none")
+    return f"{spec.backend}:{name}:{digest}"
 
 
-def prepare_score_mod(score_mod: object) -> str:
-    """Register `score_mod` now, in eager code, and remember its key on the object: a compiled
-    model that reuses the object then reads a constant string instead of tracing the
-    registration (DotProductAttention does this for its configured score_mod)."""
-    key = score_mod_key(score_mod)
+def _without_tensor_data(mod: Any) -> Any:
+    """The mod with its tensor parameters replaced by meta tensors of the same shape and dtype
+    (the registry must not keep users' biases alive)."""
+    if mod is None or not hasattr(mod, "bind"):
+        return mod
+    tensors = mod.tensors()
+    if not tensors:
+        return mod
+    return mod.bind(**{n: torch.empty_like(t, device="meta") for n, t in tensors.items()})
+
+
+def _register(spec: AttentionSpec) -> str:
+    key = spec_key(spec)
     with _REGISTRY_LOCK:
-        _REGISTRY.setdefault(key, score_mod)
-    score_mod._op_key = key
+        if key not in _REGISTRY:
+            _REGISTRY[key] = dataclasses.replace(spec, score_mod=_without_tensor_data(spec.score_mod))
+            while len(_REGISTRY) > _REGISTRY_MAX:
+                _REGISTRY.popitem(last=False)
+        else:
+            _REGISTRY.move_to_end(key)
     return key
 
 
 @torch.compiler.assume_constant_result
-def register_score_mod(score_mod: object) -> str:
-    """Register `score_mod` as the template for its structural key; return the key string.
-
-    Run once at trace time under torch.compile (the key is a structural constant)."""
-    key = score_mod_key(score_mod)
-    with _REGISTRY_LOCK:
-        _REGISTRY.setdefault(key, score_mod)
-    return key
+def register_spec(spec: AttentionSpec) -> str:
+    """Register `spec` (at trace time: the key is a structural constant) and return its key."""
+    return _register(spec)
 
 
-def lookup_score_mod(key: str, scalars: Sequence[float], tensors: Sequence[torch.Tensor]) -> object:
-    """The registered template for `key`, rebound to the given parameter values."""
+def lookup_spec(key: str) -> AttentionSpec:
+    """The registered spec for `key` (ValueError if unknown: a compiled graph outlived it)."""
     try:
-        template = _REGISTRY[key]
+        return _REGISTRY[key]
     except KeyError:
-        raise ValueError(f"score_mod key {key!r} is not registered; call fused_attn.ops.register_score_mod first") from None
-    names_s = list(template.scalars())
-    names_t = list(template.tensors())
-    if len(names_s) != len(scalars) or len(names_t) != len(tensors):
-        raise ValueError(
-            f"score_mod {key!r} takes {len(names_s)} scalars and {len(names_t)} tensors, "
-            f"got {len(scalars)} and {len(tensors)}"
-        )
+        raise ValueError(f"spec key {key!r} is not registered (the registry keeps the {_REGISTRY_MAX} most recent "
+                         "specs); recompile the model") from None
+
+
+def _bound_mod(spec: AttentionSpec, scalars: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Any:
+    template = spec.score_mod
+    if template is None:
+        return None
+    names_s, names_t = list(template.scalars()), list(template.tensors())
+    if len(names_s) != scalars.numel() or len(names_t) != len(tensors):
+        raise ValueError(f"score_mod {template.name!r} takes {len(names_s)} scalars and {len(names_t)} tensors, "
+                         f"got {scalars.numel()} and {len(tensors)}")
     if not names_s and not names_t:
         return template
     rebind = getattr(template, "rebind", None)
     if rebind is None:
-        raise NotImplementedError(
-            f"score_mod {template.name!r} has parameters but no rebind(scalars, tensors); "
-            "it cannot be used under torch.compile"
-        )
-    return rebind(dict(zip(names_s, (float(s) for s in scalars))), dict(zip(names_t, tensors)))
+        raise NotImplementedError(f"score_mod {template.name!r} has parameters but no rebind(scalars, tensors); it "
+                                  "cannot be used under torch.compile")
+    return rebind(dict(zip(names_s, (float(x) for x in scalars.tolist()))), dict(zip(names_t, tensors)))
 
 
-def _backend(name: str):
-    """fused_attn.backends.<name>; an attribute lookup once imported (traceable by dynamo)."""
-    from . import backends
-
-    mod = getattr(backends, name, None)
-    return mod if mod is not None else importlib.import_module(f"fused_attn.backends.{name}")
-
-
-def _problem(
-    query, key, value, qkv_format, scale, band, seqlens_q, seqlens_kv, cu_q, cu_kv, cu_q_pad, cu_kv_pad,
-    max_q, max_kv, sm_key, sm_scalars, sm_tensors, deterministic,
-) -> AttentionProblem:
-    """Rebuild the AttentionProblem from the ops' flat arguments (band: [] or [left, right, bottom_right])."""
-    band_obj = None
-    if band:
-        band_obj = Band(None if band[0] < 0 else band[0], None if band[1] < 0 else band[1], bool(band[2]))
-    score_mod = lookup_score_mod(sm_key, sm_scalars.tolist(), sm_tensors) if sm_key else None
-    return AttentionProblem(
-        query=query, key=key, value=value, qkv_format=qkv_format, scale=scale, band=band_obj,
-        seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
-        cu_seqlens_q_padded=cu_q_pad, cu_seqlens_kv_padded=cu_kv_pad, max_seqlen_q=max_q,
-        max_seqlen_kv=max_kv, score_mod=score_mod, return_lse=True, deterministic=deterministic,
-    )
+def _plan(spec_key_: str, query, key, value, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, sinks, scalars, tensors):
+    spec = lookup_spec(spec_key_)
+    mod = _bound_mod(spec, scalars, tensors)
+    varlen = Varlen(cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv)
+    plan = get_plan(spec, mod, query, key, value, varlen, sinks)
+    return spec, mod, varlen, plan
 
 
 _T = torch.Tensor
@@ -125,178 +111,202 @@ _OT = Optional[torch.Tensor]
 
 
 @torch.library.custom_op("fused_attn::attn_fwd", mutates_args=())
-def attn_fwd(
-    query: _T, key: _T, value: _T, backend: str, qkv_format: str, scale: float, band: List[int],
-    seqlens_q: _OT, seqlens_kv: _OT, cu_seqlens_q: _OT, cu_seqlens_kv: _OT,
-    cu_seqlens_q_padded: _OT, cu_seqlens_kv_padded: _OT, max_seqlen_q: Optional[int],
-    max_seqlen_kv: Optional[int], score_mod_key: str, score_mod_scalars: _T,
-    score_mod_tensors: List[_T], deterministic: bool,
-) -> Tuple[_T, _T, _T]:
-    """Forward: (out in the query's format, lse fp32 (B,H,Sq) / (H,Tq), backend-saved tensor)."""
-    problem = _problem(query, key, value, qkv_format, scale, band, seqlens_q, seqlens_kv, cu_seqlens_q,
-                       cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
-                       max_seqlen_kv, score_mod_key, score_mod_scalars, score_mod_tensors, deterministic)
-    mod = _backend(backend)
-    out, lse, saved = mod.forward(problem)
-    if saved is None:
-        saved = query.new_empty((0,))
-    elif not hasattr(mod, "saved_like"):
-        raise NotImplementedError(
-            f"backend {backend!r} returns a saved tensor but defines no saved_like(problem); "
-            "it cannot run under torch.compile"
-        )
-    if _lse_from_saved(mod, problem, saved) is not None:
-        lse = saved.new_empty((0,))  # attention() takes the view of saved outside the op
-    inputs = (query, key, value, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-              cu_seqlens_kv_padded, score_mod_scalars, *score_mod_tensors)
-    return _unaliased((_in_layout(out, query), lse, saved), inputs)
+def attn_fwd(query: _T, key: _T, value: _T, cu_seqlens_q: _OT, cu_seqlens_kv: _OT, cu_seqlens_q_padded: _OT,
+             cu_seqlens_kv_padded: _OT, max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int], sinks: _OT,
+             score_mod_scalars: _T, score_mod_tensors: List[_T], spec_key: str) -> Tuple[_T, _T, _T]:
+    """(out in the query's format, lse fp32 (B, H, Sq) / (H, Tq) or an empty tensor, saved)."""
+    from .functional import check_values
 
-
-def _lse_from_saved(mod, problem: AttentionProblem, saved: torch.Tensor) -> Optional[torch.Tensor]:
-    """The backend's lse as a view of `saved`, or None when its lse is a tensor of its own."""
-    hook = getattr(mod, "lse_from_saved", None)
-    return None if hook is None else hook(problem, saved)
-
-
-def _unaliased(outputs: Sequence[torch.Tensor], inputs: Sequence[Optional[torch.Tensor]]) -> Tuple[torch.Tensor, ...]:
-    """`outputs` with any tensor that shares storage with an input or an earlier output cloned
-    (same strides), as custom ops require. Empty tensors get a fresh (free) storage of their own."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel() > 0}
-    result = []
-    for t in outputs:
-        if t.numel() == 0:
-            t = t.new_empty_strided(t.shape, t.stride())
-        else:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
-                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-            seen.add(t.untyped_storage().data_ptr())
-        result.append(t)
-    return tuple(result)
-
-
-def _empty_like_layout(t: torch.Tensor, last: int) -> torch.Tensor:
-    """Empty tensor of t's shape with last dim `last`, in t's memory order (e.g. BSHD under a BHSD view)."""
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -d))  # outermost first
-    shape = list(t.shape[:-1]) + [last]
-    buf = t.new_empty([shape[d] for d in order])
-    return buf.permute([order.index(d) for d in range(t.dim())])
-
-
-def _in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """t in like's memory order (what the fake kernels promise); a copy only if the backend differs."""
-    want = _empty_like_layout(like, t.shape[-1])
-    if t.stride() == want.stride():
-        return t
-    return want.copy_(t)
+    spec, mod, varlen, plan = _plan(spec_key, query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                    cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars,
+                                    score_mod_tensors)
+    check_values(plan, query, key, varlen)
+    out, lse, saved, _state = plan.runner.forward(query, key, value, varlen, mod, sinks)
+    stats = saved[4] if plan.backend == "cudnn" else query.new_empty((0,), dtype=torch.float32)
+    lse = query.new_empty((0,), dtype=torch.float32) if lse is None else lse.clone()
+    return out, lse, stats
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(query, key, value, backend, qkv_format, scale, band, seqlens_q, seqlens_kv, cu_seqlens_q,
-                   cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
-                   score_mod_key, score_mod_scalars, score_mod_tensors, deterministic):
-    out = _empty_like_layout(query, value.shape[-1])
-    if qkv_format == "thd":
+def _attn_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                   max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, spec_key):
+    spec = lookup_spec(spec_key)
+    out = query.new_empty(tuple(query.shape[:-1]) + (value.shape[-1],))
+    packed = spec.is_packed
+    if not spec.return_lse:
+        lse = query.new_empty((0,), dtype=torch.float32)
+    elif packed:
         lse = query.new_empty((query.shape[1], query.shape[0]), dtype=torch.float32)
-    else:  # dense ops receive logical (B, H, S, D) tensors
-        lse = query.new_empty(query.shape[:3], dtype=torch.float32)
-    mod = _backend(backend)
-    if hasattr(mod, "saved_like"):
-        # Shapes only: no score_mod (its float values are data the fake tensors do not hold).
-        problem = _problem(query, key, value, qkv_format, scale, band, seqlens_q, seqlens_kv, cu_seqlens_q,
-                           cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
-                           max_seqlen_kv, "", score_mod_scalars, [], deterministic)
-        saved = mod.saved_like(problem)
-        if _lse_from_saved(mod, problem, saved) is not None:
-            lse = saved.new_empty((0,))
     else:
-        saved = query.new_empty((0,))
-    return _in_layout(out, query), lse, saved
+        from .layouts import logical_shape
+
+        b, h, s, _ = logical_shape(query, spec.qkv_format)
+        lse = query.new_empty((b, h, s), dtype=torch.float32)
+    saved = query.new_empty(_saved_shape(spec, query, key, value, cu_seqlens_q, max_seqlen_q, max_seqlen_kv),
+                            dtype=torch.float32)
+    return out, lse, saved
+
+
+def _saved_shape(spec: AttentionSpec, query, key, value, cu_q, max_q, max_kv) -> Tuple[int, ...]:
+    if spec.backend != "cudnn":
+        return (0,)
+    from .layouts import logical_shape
+    from .plan import bucket
+
+    h = query.shape[-2]
+    if not spec.is_packed:
+        b, _, s, _ = logical_shape(query, spec.qkv_format)
+        return (b, h, s, 1)
+    from .backends.cudnn.varlen import bucket_batch
+
+    sq, skv = bucket(max_q), bucket(max_kv)
+    if spec.band is not None and spec.band.bottom_right:
+        sq = max(sq, skv)
+    return (bucket_batch(cu_q.shape[0] - 1), h, sq, 1)
 
 
 @torch.library.custom_op("fused_attn::attn_bwd", mutates_args=())
-def attn_bwd(
-    grad_out: _T, query: _T, key: _T, value: _T, out: _T, saved: _T, backend: str, qkv_format: str,
-    scale: float, band: List[int], seqlens_q: _OT, seqlens_kv: _OT, cu_seqlens_q: _OT, cu_seqlens_kv: _OT,
-    cu_seqlens_q_padded: _OT, cu_seqlens_kv_padded: _OT, max_seqlen_q: Optional[int],
-    max_seqlen_kv: Optional[int], score_mod_key: str, score_mod_scalars: _T,
-    score_mod_tensors: List[_T], deterministic: bool,
-) -> Tuple[_T, _T, _T]:
-    """Backward: (dq, dk, dv) with the shapes of query, key, value."""
-    problem = _problem(query, key, value, qkv_format, scale, band, seqlens_q, seqlens_kv, cu_seqlens_q,
-                       cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
-                       max_seqlen_kv, score_mod_key, score_mod_scalars, score_mod_tensors, deterministic)
-    saved_arg = None if saved.numel() == 0 and saved.dim() == 1 else saved
-    grads = _backend(backend).backward(problem, out, saved_arg, grad_out)
-    inputs = (grad_out, query, key, value, out, saved, seqlens_q, seqlens_kv, cu_seqlens_q, cu_seqlens_kv,
-              cu_seqlens_q_padded, cu_seqlens_kv_padded, score_mod_scalars, *score_mod_tensors)
-    return _unaliased(tuple(_in_layout(g, t) for g, t in zip(grads, (query, key, value))), inputs)
+def attn_bwd(grad_out: _T, query: _T, key: _T, value: _T, out: _T, saved: _T, cu_seqlens_q: _OT,
+             cu_seqlens_kv: _OT, cu_seqlens_q_padded: _OT, cu_seqlens_kv_padded: _OT, max_seqlen_q: Optional[int],
+             max_seqlen_kv: Optional[int], sinks: _OT, score_mod_scalars: _T, score_mod_tensors: List[_T],
+             spec_key: str) -> List[_T]:
+    """[dq, dk, dv, *grads of runner.grad_inputs (empty tensors where none)]."""
+    spec, mod, varlen, plan = _plan(spec_key, query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                                    cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars,
+                                    score_mod_tensors)
+    grads = plan.runner.backward_call(query, key, value, out, saved, varlen, mod, sinks, grad_out)
+    inputs = [grad_out, query, key, value, out, saved]
+    return [g.new_empty((0,)) if g is None else _fresh(g, inputs) for g in grads]
+
+
+def _fresh(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`t`, or a copy when it shares storage with an input (custom-op outputs may not alias)."""
+    if t.numel() and any(t.untyped_storage().data_ptr() == i.untyped_storage().data_ptr()
+                         for i in inputs if i is not None and i.numel()):
+        return t.clone()
+    return t
 
 
 @attn_bwd.register_fake
-def _attn_bwd_fake(grad_out, query, key, value, out, saved, *rest):
-    return tuple(_empty_like_layout(t, t.shape[-1]) for t in (query, key, value))
+def _attn_bwd_fake(grad_out, query, key, value, out, saved, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                   cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors,
+                   spec_key):
+    spec = lookup_spec(spec_key)
+    grads = [torch.empty_like(t) for t in (query, key, value)]
+    for t in _differentiated(spec, score_mod_tensors, sinks):
+        grads.append(t.new_empty(t.shape) if t is not None else query.new_empty((0,)))
+    return grads
 
 
-_N_FWD_ARGS = 19
+def _differentiated(spec: AttentionSpec, tensors: Sequence[torch.Tensor], sinks: Optional[torch.Tensor]) -> list:
+    """The extra inputs whose gradients the backward op returns, in its order: the score_mod's
+    floating tensor parameters (reference: all of them; cuDNN: the bias term), then the sinks."""
+    out: list = []
+    template = spec.score_mod
+    if template is not None:
+        names = list(template.tensors())
+        wanted = _grad_param_names(spec)
+        out.extend(t for n, t in zip(names, tensors) if n in wanted)
+    if sinks is not None:
+        out.append(sinks)
+    return out
+
+
+def _grad_param_names(spec: AttentionSpec) -> set:
+    template = spec.score_mod
+    if spec.backend == "cudnn":
+        from .backends.cudnn.lowering import split_bias
+
+        split = split_bias(template)
+        return set() if split is None else {split[1]}
+    specs = getattr(template, "specs", {})
+    return {n for n, t in template.tensors().items() if t.is_floating_point() and n in specs}
 
 
 def _setup_context(ctx, inputs, output) -> None:
+    (query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
+     max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, spec_key) = inputs
     out, _lse, saved = output
-    query, key, value = inputs[:3]
-    ctx.save_for_backward(query, key, value, out, saved, *(t if t is not None else query.new_empty(0) for t in inputs[7:13]), *inputs[17])
-    ctx.present = tuple(t is not None for t in inputs[7:13])
-    ctx.n_sm_tensors = len(inputs[17])
-    # Gradient structure autograd expects: Tensor[] one entry per element; int[] / float[] are one
-    # leaf when non-empty but an empty list when empty.
-    ctx.list_lens = {17: len(inputs[17])}
-    ctx.list_lens.update({6: 0} if len(inputs[6]) == 0 else {})
-    ctx.static = (inputs[3], inputs[4], inputs[5], inputs[6], inputs[13], inputs[14], inputs[15], inputs[16], inputs[18])
+    ctx.save_for_backward(query, key, value, out, saved, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                          cu_seqlens_kv_padded, sinks, score_mod_scalars, *score_mod_tensors)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_kv)
+    ctx.spec_key = spec_key
+    ctx.n_tensors = len(score_mod_tensors)
 
 
 def _backward(ctx, grad_out, _grad_lse, _grad_saved):
-    query, key, value, out, saved, *rest = ctx.saved_tensors
-    optional = [t if present else None for t, present in zip(rest[:6], ctx.present)]
-    sm_tensors = list(rest[6:])
-    backend, qkv_format, scale, band, max_q, max_kv, sm_key, sm_scalars, deterministic = ctx.static
-    dq, dk, dv = attn_bwd(grad_out, query, key, value, out, saved,
-                          backend, qkv_format, scale, band, *optional, max_q, max_kv, sm_key, sm_scalars,
-                          sm_tensors, deterministic)
-    # One gradient per input, lists matched element-wise (autograd checks the structure).
-    rest_grads = [[None] * ctx.list_lens[i] if i in ctx.list_lens else None for i in range(3, _N_FWD_ARGS)]
-    return (dq, dk, dv, *rest_grads)
+    (query, key, value, out, saved, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, sinks,
+     score_mod_scalars, *score_mod_tensors) = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_kv = ctx.max_seqlens
+    grads = attn_bwd(grad_out, query, key, value, out, saved, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                     cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors,
+                     ctx.spec_key)
+    dq, dk, dv, *extra = grads
+    spec = lookup_spec(ctx.spec_key)
+    targets = _differentiated(spec, score_mod_tensors, sinks)
+    by_id = {id(t): (g if g.numel() or not t.numel() else None) for t, g in zip(targets, extra)}
+    d_sinks = by_id.get(id(sinks)) if sinks is not None else None
+    d_tensors = [by_id.get(id(t)) for t in score_mod_tensors]
+    # One gradient per input, in the schema's order (None for non-differentiable arguments):
+    # query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+    # max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, spec_key
+    return dq, dk, dv, None, None, None, None, None, None, d_sinks, None, d_tensors, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _band_arg(band: Optional[Band]) -> List[int]:
-    if band is None:
-        return []
-    return [-1 if band.left is None else band.left, -1 if band.right is None else band.right, int(band.bottom_right)]
+def _scalars(mod: Any) -> torch.Tensor:
+    if mod is None:
+        return torch.zeros(0, dtype=torch.float64)
+    made = getattr(mod, "scalar_tensor", None)
+    if made is not None:
+        return made()
+    return torch.tensor(list(mod.scalars().values()), dtype=torch.float64)
 
 
-def attention(problem: AttentionProblem, backend_name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Run `problem` on backend `backend_name` through the custom ops; returns (out, lse).
+def attention(spec: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              varlen: Varlen, sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run the call through the custom ops (traceable by torch.compile, fullgraph); (out, lse)."""
+    backend = spec.backend
+    if backend == "auto":
+        backend = _traced_backend(spec, mod, query, key, value, varlen, sinks)
+    traced = spec if backend == spec.backend else dataclasses.replace(spec, backend=backend)
+    key_ = getattr(mod, "_op_keys", {}).get(traced) if mod is not None else None
+    if key_ is None:
+        key_ = register_spec(traced)
+    tensors = [] if mod is None else list(mod.tensors().values())
+    out, lse, _saved = attn_fwd(query, key, value, varlen.cu_seqlens_q, varlen.cu_seqlens_kv,
+                                varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded, varlen.max_seqlen_q,
+                                varlen.max_seqlen_kv, sinks, _scalars(mod), tensors, key_)
+    return out, (lse if spec.return_lse else None)
 
-    Traceable by torch.compile (fullgraph); differentiable with respect to query, key, value.
-    """
-    sm = problem.score_mod
-    if sm is not None:
-        sm_key = getattr(sm, "_op_key", None)
-        if sm_key is None:
-            sm_key = register_score_mod(sm)
-        # A CPU fp64 tensor, not float[]: a changed value then never recompiles the graph.
-        made = getattr(sm, "scalar_tensor", None)
-        scalars = made() if made is not None else torch.tensor(list(sm.scalars().values()), dtype=torch.float64)
-        tensors = list(sm.tensors().values())
-    else:
-        sm_key, scalars, tensors = "", torch.zeros(0, dtype=torch.float64), []
-    out, lse, saved = attn_fwd(
-        problem.query, problem.key, problem.value, backend_name, problem.qkv_format, float(problem.scale),
-        _band_arg(problem.band), problem.seqlens_q, problem.seqlens_kv, problem.cu_seqlens_q,
-        problem.cu_seqlens_kv, problem.cu_seqlens_q_padded, problem.cu_seqlens_kv_padded,
-        problem.max_seqlen_q, problem.max_seqlen_kv, sm_key, scalars, tensors, bool(problem.deterministic),
-    )
-    from_saved = _lse_from_saved(_backend(backend_name), problem, saved)
-    return out, (lse if from_saved is None else from_saved)
+
+@torch.compiler.assume_constant_result
+def _traced_backend_name(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> str:
+    """`auto`'s choice from metadata: cuDNN for CUDA half/bfloat16 with head dims it takes."""
+    from .backends.registry import cudnn_available
+
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 \
+            and head_dim_v % 8 == 0 and head_dim <= 256 and head_dim_v <= 256 and cudnn_available():
+        return "cudnn"
+    return "reference"
+
+
+def _traced_backend(spec, mod, query, key, value, varlen, sinks) -> str:
+    return _traced_backend_name(query.device.type, query.dtype, query.shape[-1], value.shape[-1])
+
+
+def prepare_spec(spec: AttentionSpec, mod: Any, device: torch.device, dtype: torch.dtype, head_dim: int,
+                 head_dim_v: int) -> None:
+    """Register `spec` now, in eager code, and remember its key on the mod object, so a compiled
+    model reusing that mod reads a constant instead of tracing the registration
+    (`DotProductAttention` does this for its configured score_mod)."""
+    if mod is None:
+        return
+    backend = spec.backend
+    if backend == "auto":
+        backend = _traced_backend_name(device.type, dtype, head_dim, head_dim_v)
+    traced = spec if backend == spec.backend else dataclasses.replace(spec, backend=backend)
+    keys = mod.__dict__.setdefault("_op_keys", {})
+    keys[traced] = _register(traced)

@@ -65,8 +65,11 @@ class AttentionProblem:
         sequence b is cu_seqlens_*_padded[b] when given (gaps between sequences), else
         cu_seqlens_*[b]. max_seqlen_q / max_seqlen_kv are host ints >= every length.
 
-    Outputs: out has the query's format with Dv (allocated with `layouts.empty_like_output`);
-    lse is fp32 (B, H, Sq) for dense and (H, Tq) for thd, -inf on rows with no allowed key.
+    sinks: (H,) logits of one extra key per head with no value (attention sinks), or None.
+
+    Outputs: out has the query's format with Dv (contiguous in that format);
+    lse is fp32 (B, H, Sq) for dense and (H, Tq) for thd (sink included), -inf on rows with no
+    allowed key and no sink.
     """
 
     query: torch.Tensor
@@ -86,6 +89,7 @@ class AttentionProblem:
     score_mod: Optional["ScoreMod"] = None
     return_lse: bool = False
     deterministic: bool = False
+    sinks: Optional[torch.Tensor] = None
 
     @property
     def is_packed(self) -> bool:

@@ -1,25 +1,26 @@
 """Backend-independent input checks for `dot_product_attention`.
 
 Every check raises TypeError (wrong type/dtype) or ValueError (wrong value/shape/device) naming
-the argument, the value received and what is accepted. Checks that need the *values* of
-cu_seqlens tensors (start at 0, non-decreasing, last entry) copy all of them to the host in
-one combined `.tolist()`: on CUDA tensors that is one device->host sync per call.
+the argument, the value received and what is accepted. Structure checks run once per call plan;
+the checks that need the *values* of cu_seqlens tensors (`check_length_values`) run per call: on
+CPU one host read, on CUDA an asynchronous device assertion (no host sync).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from .layouts import logical_shape
+from .memo import BoundedMemo
 from .problem import Band
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 PADDING_TYPES = ("padding", "padding_causal")
 CAUSAL_TYPES = ("causal", "causal_bottom_right", "padding_causal")
+_FP32_MAX = 3.4028234663852886e38
 
 
 def check_choice(arg: str, value: Any, choices: Sequence[str]) -> str:
@@ -72,8 +73,9 @@ def check_scale(softmax_scale: Any, head_dim: int) -> float:
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r} "
                         f"({type(softmax_scale).__name__})")
-    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0 or softmax_scale > _FP32_MAX:
+        raise ValueError(f"softmax_scale must be a positive float or None, finite in float32 (<= {_FP32_MAX:.3e}: "
+                         f"scores are computed in float32), got {softmax_scale!r}")
     return float(softmax_scale)
 
 
@@ -124,16 +126,18 @@ def check_max_seqlen(arg: str, value: Any) -> Optional[int]:
     return value
 
 
-@dataclass
-class Lengths:
-    """Validated per-sequence lengths. Host lists come from the one combined device->host copy."""
+class LengthStructure(NamedTuple):
+    """Signature-level facts of the length arguments (see `check_length_structure`).
 
-    seqlens_q: Optional[torch.Tensor]  # (B,) int32 on the query's device, dense padding only
-    seqlens_kv: Optional[torch.Tensor]
-    host_q: Optional[List[int]]  # per-sequence lengths, None without lengths
-    host_kv: Optional[List[int]]
+    max_seqlen_q / max_seqlen_kv: dense: Sq / Skv; thd: the max_seqlen arguments (ints).
+    check_q / check_kv: the sizes a score_mod's tensor parameters must cover on the query /
+    key axes (dense: Sq / Skv; thd: the max_seqlen arguments).
+    """
+
     max_seqlen_q: int
     max_seqlen_kv: int
+    check_q: int
+    check_kv: int
 
 
 def _check_cu_meta(arg: str, t: Any, device: torch.device) -> torch.Tensor:
@@ -148,24 +152,19 @@ def _check_cu_meta(arg: str, t: Any, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _check_offsets(arg: str, row: List[int]) -> None:
-    if row[0] != 0:
-        raise ValueError(f"{arg} must start at 0, got {row[0]} (first entries {row[:4]})")
-    for i in range(1, len(row)):
-        if row[i] < row[i - 1]:
-            raise ValueError(f"{arg} must be non-decreasing, got {row[i - 1]} then {row[i]} at index {i}")
+def check_length_structure(qkv_format: str, attn_mask_type: str, query: torch.Tensor, key: torch.Tensor,
+                           varlen: Any) -> LengthStructure:
+    """Check the varlen arguments' types, dtypes, shapes and devices (no tensor values read).
 
-
-def check_lengths(qkv_format: str, attn_mask_type: str, query: torch.Tensor, key: torch.Tensor,
-                  cu_q: Any, cu_kv: Any, cu_q_pad: Any, cu_kv_pad: Any, max_q: Any, max_kv: Any) -> Lengths:
-    """Validate the varlen arguments; one device->host copy when any cu_seqlens is given.
-
-    thd: cu_seqlens_q/kv required (B+1,) int32; last entry == token count (or <= it, with
-    cu_seqlens_*_padded giving the token offsets, whose last entry == token count).
-    Dense: cu_seqlens_q/kv only with a padding mask type, shape (B+1,), lengths <= S.
-    max_seqlen_*: ints >= every length; derived from cu_seqlens when None (thd).
+    thd: cu_seqlens_q/kv required, (B+1,) int32 on the query's device, equal sizes;
+    cu_seqlens_*_padded optional, same shape; max_seqlen_q/kv ints (the caller derives them
+    from cu_seqlens when not given). Dense: cu_seqlens_q/kv only with a padding mask type, shape
+    (B+1,); max_seqlen_* optional ints, at most the tensors' sequence lengths.
     """
-    max_q, max_kv = check_max_seqlen("max_seqlen_q", max_q), check_max_seqlen("max_seqlen_kv", max_kv)
+    cu_q, cu_kv = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
+    cu_q_pad, cu_kv_pad = varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded
+    max_q = check_max_seqlen("max_seqlen_q", varlen.max_seqlen_q)
+    max_kv = check_max_seqlen("max_seqlen_kv", varlen.max_seqlen_kv)
     dev, packed = query.device, qkv_format == "thd"
     if not packed:
         for arg, t in (("cu_seqlens_q_padded", cu_q_pad), ("cu_seqlens_kv_padded", cu_kv_pad)):
@@ -173,21 +172,21 @@ def check_lengths(qkv_format: str, attn_mask_type: str, query: torch.Tensor, key
                 raise ValueError(f"{arg} is only accepted with qkv_format='thd', got qkv_format={qkv_format!r}")
         ql, kl = logical_shape(query, qkv_format), logical_shape(key, qkv_format)
         batch, sq, skv = ql[0], ql[2], kl[2]
+        _check_max_against("max_seqlen_q", max_q, [sq], "the query's sequence length")
+        _check_max_against("max_seqlen_kv", max_kv, [skv], "the key's sequence length")
         if attn_mask_type not in PADDING_TYPES:
             if cu_q is not None or cu_kv is not None:
                 raise ValueError(
                     f"cu_seqlens_q/cu_seqlens_kv given with qkv_format={qkv_format!r} and attn_mask_type="
                     f"{attn_mask_type!r}: use attn_mask_type='padding' or 'padding_causal' for padded batches")
-            _check_max_against("max_seqlen_q", max_q, [sq])
-            _check_max_against("max_seqlen_kv", max_kv, [skv])
-            return Lengths(None, None, None, None, sq, skv)
+            return LengthStructure(sq, skv, sq, skv)
     if cu_q is None or cu_kv is None:
         what = "qkv_format='thd'" if packed else f"attn_mask_type={attn_mask_type!r}"
         raise ValueError(f"{what} needs both cu_seqlens_q and cu_seqlens_kv, got "
                          f"cu_seqlens_q={'None' if cu_q is None else 'a tensor'}, "
                          f"cu_seqlens_kv={'None' if cu_kv is None else 'a tensor'}")
-    named = [("cu_seqlens_q", _check_cu_meta("cu_seqlens_q", cu_q, dev)),
-             ("cu_seqlens_kv", _check_cu_meta("cu_seqlens_kv", cu_kv, dev))]
+    _check_cu_meta("cu_seqlens_q", cu_q, dev)
+    _check_cu_meta("cu_seqlens_kv", cu_kv, dev)
     if cu_q.numel() != cu_kv.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_kv must have the same batch size, got shapes "
                          f"{tuple(cu_q.shape)} and {tuple(cu_kv.shape)}")
@@ -199,43 +198,75 @@ def check_lengths(qkv_format: str, attn_mask_type: str, query: torch.Tensor, key
             _check_cu_meta(arg, t, dev)
             if t.numel() != cu_q.numel():
                 raise ValueError(f"{arg} must have the shape of cu_seqlens_q {tuple(cu_q.shape)}, got {tuple(t.shape)}")
-            named.append((arg, t))
-    if dev.type == "cuda" and (not packed or (max_q is not None and max_kv is not None)):
-        tensors = tuple(t for _, t in named)
-        memo_key = (tuple(n for n, _ in named), tuple((id(t), t._version) for t in tensors), packed,
-                    query.shape[0], key.shape[0], max_q, max_kv, None if packed else (sq, skv))
-        hit = _CHECKED.get(memo_key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], tensors)):
-            return hit[1]
-        lengths = _check_lengths_on_device(named, packed, query, key, cu_q, cu_kv, max_q, max_kv,
-                                           None if packed else (sq, skv))
-        _CHECKED[memo_key] = (tensors, lengths)
-        while len(_CHECKED) > _CHECKED_MAX:
-            _CHECKED.pop(next(iter(_CHECKED)))
-        return lengths
-    rows = dict(zip((n for n, _ in named), torch.stack([t for _, t in named]).tolist()))  # the one sync
+    if not packed:
+        return LengthStructure(sq, skv, sq, skv)
+    if max_q is None or max_kv is None:  # pragma: no cover - the entry points derive them first
+        raise ValueError("qkv_format='thd' needs max_seqlen_q and max_seqlen_kv")
+    return LengthStructure(max_q, max_kv, max_q, max_kv)
+
+
+def _check_offsets(arg: str, row: List[int]) -> None:
+    if row[0] != 0:
+        raise ValueError(f"{arg} must start at 0, got {row[0]} (first entries {row[:4]})")
+    for i in range(1, len(row)):
+        if row[i] < row[i - 1]:
+            raise ValueError(f"{arg} must be non-decreasing, got {row[i - 1]} then {row[i]} at index {i}")
+
+
+def derive_max_seqlens(varlen: Any) -> Tuple[int, int]:
+    """Host max lengths of a thd batch from its cu_seqlens (one device->host copy: a sync on
+    CUDA). Used only when max_seqlen_q/kv are not given."""
+    cu_q, cu_kv = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
+    for arg, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 2:
+            return (varlen.max_seqlen_q or 0, varlen.max_seqlen_kv or 0)  # check_length_structure names it
+    rows = [cu_q, cu_kv]
+    if cu_q.shape != cu_kv.shape or cu_q.device != cu_kv.device or cu_q.dtype != cu_kv.dtype:
+        return (varlen.max_seqlen_q or 0, varlen.max_seqlen_kv or 0)
+    lens = (torch.stack(rows)[:, 1:] - torch.stack(rows)[:, :-1]).amax(dim=1).tolist()
+    mq = varlen.max_seqlen_q if varlen.max_seqlen_q is not None else max(int(lens[0]), 0)
+    mk = varlen.max_seqlen_kv if varlen.max_seqlen_kv is not None else max(int(lens[1]), 0)
+    return mq, mk
+
+
+def check_length_values(qkv_format: str, query: torch.Tensor, key: torch.Tensor, varlen: Any,
+                        limits: Tuple[int, int]) -> None:
+    """Check cu_seqlens *values*: start at 0, non-decreasing, end at the token count (thd, or
+    the padded offsets' end), padded slots hold their sequence, lengths <= limits (dense: the
+    tensors' sequence lengths; thd: max_seqlen). CPU tensors: one host read, ValueError naming
+    the problem. CUDA tensors: one asynchronous device assertion (no host sync), memoized per
+    (tensor, version) so a step's backward and repeated calls skip it."""
+    names = ["cu_seqlens_q", "cu_seqlens_kv"]
+    tensors = [varlen.cu_seqlens_q, varlen.cu_seqlens_kv]
+    for arg, t in (("cu_seqlens_q_padded", varlen.cu_seqlens_q_padded),
+                   ("cu_seqlens_kv_padded", varlen.cu_seqlens_kv_padded)):
+        if t is not None:
+            names.append(arg)
+            tensors.append(t)
+    packed = qkv_format == "thd"
+    tokens = (query.shape[0], key.shape[0]) if packed else None
+    if query.device.type == "cuda":
+        key_ = (tuple((id(t), t._version) for t in tensors), tuple(names), tokens, limits)
+        hit = _CHECKED.get(key_)
+        if hit is not None and all(a is b for a, b in zip(hit, tensors)):
+            return
+        _check_values_on_device(names, tensors, tokens, limits)
+        _CHECKED.put(key_, tuple(tensors))
+        return
+    rows = dict(zip(names, torch.stack(tensors).tolist()))  # the one host read
     for arg, row in rows.items():
         _check_offsets(arg, row)
     host_q = [b - a for a, b in zip(rows["cu_seqlens_q"], rows["cu_seqlens_q"][1:])]
     host_kv = [b - a for a, b in zip(rows["cu_seqlens_kv"], rows["cu_seqlens_kv"][1:])]
     if packed:
-        for side, tokens, lens in (("q", query.shape[0], host_q), ("kv", key.shape[0], host_kv)):
-            _check_packed_totals(side, tokens, rows[f"cu_seqlens_{side}"], rows.get(f"cu_seqlens_{side}_padded"), lens)
-        seqlens_q = seqlens_kv = None
+        for side, count, lens in (("q", tokens[0], host_q), ("kv", tokens[1], host_kv)):
+            _check_packed_totals(side, count, rows[f"cu_seqlens_{side}"], rows.get(f"cu_seqlens_{side}_padded"), lens)
+        _check_max_against("max_seqlen_q", limits[0], host_q, "a sequence length")
+        _check_max_against("max_seqlen_kv", limits[1], host_kv, "a sequence length")
     else:
-        for arg, lens, s in (("cu_seqlens_q", host_q, sq), ("cu_seqlens_kv", host_kv, skv)):
+        for arg, lens, s in (("cu_seqlens_q", host_q, limits[0]), ("cu_seqlens_kv", host_kv, limits[1])):
             if max(lens) > s:
                 raise ValueError(f"{arg} gives a sequence length {max(lens)} > the tensors' sequence length {s}")
-        seqlens_q = (cu_q[1:] - cu_q[:-1]).to(torch.int32)
-        seqlens_kv = (cu_kv[1:] - cu_kv[:-1]).to(torch.int32)
-    _check_max_against("max_seqlen_q", max_q, host_q)
-    _check_max_against("max_seqlen_kv", max_kv, host_kv)
-    if packed:
-        max_q = max(host_q) if max_q is None else max_q
-        max_kv = max(host_kv) if max_kv is None else max_kv
-    else:
-        max_q, max_kv = sq, skv
-    return Lengths(seqlens_q, seqlens_kv, host_q, host_kv, max_q, max_kv)
 
 
 def _check_packed_totals(side: str, tokens: int, cu: List[int], pad: Optional[List[int]], lens: List[int]) -> None:
@@ -252,50 +283,57 @@ def _check_packed_totals(side: str, tokens: int, cu: List[int], pad: Optional[Li
                              f"length {n}: each padded slot must hold its sequence")
 
 
-def _check_max_against(arg: str, value: Optional[int], lengths: List[int]) -> None:
+def _check_max_against(arg: str, value: Optional[int], lengths: List[int], what: str) -> None:
     if value is not None and lengths and value < max(lengths):
-        raise ValueError(f"{arg}={value} is smaller than a sequence length ({max(lengths)})")
+        raise ValueError(f"{arg}={value} is smaller than {what} ({max(lengths)})")
 
 
-#: CUDA cu_seqlens already checked: (id, version counter) of each tensor -> (the tensors, Lengths).
-#: An entry keeps its tensors alive, so an id is never reused while cached, and an in-place edit
-#: bumps the version: a hit means the very same values. Saves ~15 small kernel launches (about
-#: 150 us of host time on an H100 machine) when a batch's offsets are used again (its backward,
-#: repeated calls, benchmarks).
-_CHECKED: dict = {}
-_CHECKED_MAX = 16
+#: CUDA cu_seqlens already checked: ((id, version) of each tensor, ...) -> the tensors. An entry
+#: keeps its tensors alive, so an id is never reused while cached, and an in-place edit bumps
+#: the version: a hit means the very same values.
+_CHECKED = BoundedMemo(64, "validation.cu_seqlens")
 
 
-def _check_lengths_on_device(named: List[Tuple[str, torch.Tensor]], packed: bool, query: torch.Tensor,
-                             key: torch.Tensor, cu_q: torch.Tensor, cu_kv: torch.Tensor, max_q: Optional[int],
-                             max_kv: Optional[int], dense_lengths: Optional[Tuple[int, int]]) -> Lengths:
-    """CUDA cu_seqlens: the value checks run as one asynchronous device assertion, no host sync.
-
-    A violation (not starting at 0, decreasing, wrong token total, a length above max_seqlen or
-    above the dense sequence length) stops the program with a CUDA device-side assertion at the
-    next synchronization, carrying the message below, instead of a ValueError at the call.
-    """
-    rows = torch.stack([t for _, t in named])
+def _check_values_on_device(names: List[str], tensors: List[torch.Tensor], tokens: Optional[Tuple[int, int]],
+                            limits: Tuple[int, int]) -> None:
+    """The value checks as one asynchronous device assertion: a violation stops the program
+    at the next synchronization with the message below, instead of a ValueError at the call."""
+    rows = torch.stack(tensors)
     diffs = rows[:, 1:] - rows[:, :-1]
     ok = (rows[:, 0] == 0).all() & (diffs >= 0).all()
-    lens_q, lens_kv = diffs[0], diffs[1]
-    if packed:
-        limit_q, limit_kv = max_q, max_kv
-        # token totals: the padded offsets end at the token count when given, else cu_seqlens does
-        names = [n for n, _ in named]
+    ok = ok & (diffs[0].max() <= limits[0]) & (diffs[1].max() <= limits[1])
+    if tokens is not None:
         end_q = rows[names.index("cu_seqlens_q_padded")] if "cu_seqlens_q_padded" in names else rows[0]
         end_kv = rows[names.index("cu_seqlens_kv_padded")] if "cu_seqlens_kv_padded" in names else rows[1]
-        ok = ok & (end_q[-1] == query.shape[0]) & (end_kv[-1] == key.shape[0])
-    else:
-        limit_q, limit_kv = dense_lengths
-        if max_q is not None:
-            limit_q = min(limit_q, max_q)
-        if max_kv is not None:
-            limit_kv = min(limit_kv, max_kv)
-    if lens_q.numel():
-        ok = ok & (lens_q.max() <= limit_q) & (lens_kv.max() <= limit_kv)
+        ok = ok & (end_q[-1] == tokens[0]) & (end_kv[-1] == tokens[1])
+        if "cu_seqlens_q_padded" in names:
+            ok = ok & ((end_q[1:] - end_q[:-1]) >= diffs[0]).all()
+        if "cu_seqlens_kv_padded" in names:
+            ok = ok & ((end_kv[1:] - end_kv[:-1]) >= diffs[1]).all()
     torch._assert_async(ok, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the "
                             "token count (thd), and give lengths <= max_seqlen / the tensors' sequence length")
-    if packed:
-        return Lengths(None, None, None, None, max_q, max_kv)
-    return Lengths(lens_q.to(torch.int32), lens_kv.to(torch.int32), None, None, dense_lengths[0], dense_lengths[1])
+
+
+def check_sinks(softmax_type: str, sinks: Any, heads: int, device: torch.device) -> bool:
+    """softmax_type "learnable" needs sinks: a floating (H,) tensor on the query's device; the
+    other types take none. Returns whether the call has a sink logit per head."""
+    if softmax_type == "vanilla":
+        if sinks is not None:
+            raise ValueError("sinks given with softmax_type='vanilla'; use softmax_type='learnable'")
+        return False
+    if softmax_type == "off-by-one":
+        if sinks is not None:
+            raise ValueError("sinks given with softmax_type='off-by-one' (its sink logit is fixed at 0); use "
+                             "softmax_type='learnable' for trained sinks")
+        return True
+    if sinks is None:
+        raise ValueError("softmax_type='learnable' needs sinks: a floating (H,) tensor of per-head sink logits")
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (H,), got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must have a floating dtype, got {sinks.dtype}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (H,) = ({heads},), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on the query's device {device}, got {sinks.device}")
+    return True

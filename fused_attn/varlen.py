@@ -25,13 +25,19 @@ and a query row with no allowed key (q_len > k_len under causal) gets output 0 a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from . import functional
-from .validation import check_window
+
 from .doc_packed import doc_packed_attn
+from .functional import run_spec
+from .memo import BoundedMemo
+from .plan import Varlen
+from .problem import Band
+from .spec import AttentionSpec, resolve_spec
+from .validation import check_window
 
 __all__ = ["AuxRequest", "varlen_attn", "doc_packed_attn"]
 
@@ -84,29 +90,29 @@ def _check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, en
         raise ValueError(f"with enable_gqa=True, H_q must be a multiple of H_kv, got H_q={h_q} and H_kv={h_kv}")
 
 
-def _mask_for_window(
-    left: int, right: int, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor
-) -> Tuple[str, Optional[Tuple[int, int]]]:
-    """Map a bottom-right-aligned flash window onto (attn_mask_type, window_size) of functional.
+def _spec(left: int, right: int, same_lengths: bool, scale: Optional[float], score_mod: object,
+          want_lse: bool) -> Tuple[AttentionSpec, object]:
+    """The thd spec of a flash-style window, bottom-right aligned per sequence (top-left when
+    queries and keys share one cu_seqlens tensor: the alignments then agree, and the top-left
+    form is the one cuDNN serves next to a score_mod)."""
+    mask = "causal" if right == 0 else "no_mask"
+    window = None if (left, right) in ((-1, -1), (-1, 0)) else (left, right)
+    spec, mod = resolve_spec(qkv_format="thd", attn_mask_type=mask, window_size=window, softmax_scale=scale,
+                             score_mod=score_mod, return_lse=want_lse)
+    if spec.band is not None and not same_lengths:
+        spec = _bottom_right(spec)
+    return spec, mod
 
-    functional's windows are top-left aligned unless attn_mask_type is causal_bottom_right, so:
-    right == 0 windows use causal_bottom_right; a window with right != 0 is only expressible when
-    every sequence has q_len == k_len (then both alignments agree). That is checked with one
-    device->host comparison of cu_seq_q and cu_seq_k, skipped when they are the same tensor.
-    """
-    if left == -1 and right == -1:
-        return "no_mask", None
-    if right == 0:
-        return "causal_bottom_right", (None if left == -1 else (left, 0))
-    if cu_seq_q is not cu_seq_k and not (
-        cu_seq_q.shape == cu_seq_k.shape and bool(torch.equal(cu_seq_q, cu_seq_k))
-    ):
-        raise NotImplementedError(
-            f"window_size=({left}, {right}) with right != 0 needs equal query and key lengths per sequence "
-            "(cu_seq_q == cu_seq_k); bottom-right windows with right > 0 and unequal lengths are not supported. "
-            "Use right=0 (causal windows) or the same cu_seq for queries and keys"
-        )
-    return "no_mask", (left, right)
+
+def _bottom_right(spec: AttentionSpec) -> AttentionSpec:
+    hit = _BR.get(spec)
+    if hit is None:
+        hit = dataclasses.replace(spec, band=Band(spec.band.left, spec.band.right, True))
+        _BR.put(spec, hit)
+    return hit
+
+
+_BR = BoundedMemo(128, "varlen.bottom_right_spec")
 
 
 def varlen_attn(
@@ -168,22 +174,7 @@ def varlen_attn(
     max_q = _check_max("max_q", max_q)
     max_k = _check_max("max_k", max_k)
     left, right = _check_window(window_size)
-    mask_type, window = _mask_for_window(left, right, cu_seq_q, cu_seq_k)
     want_lse = bool(return_aux is not None and return_aux.lse)
-
-    result = functional.dot_product_attention(
-        query,
-        key,
-        value,
-        qkv_format="thd",
-        attn_mask_type=mask_type,
-        window_size=window,
-        softmax_scale=scale,
-        score_mod=score_mod,
-        cu_seqlens_q=cu_seq_q,
-        cu_seqlens_kv=cu_seq_k,
-        max_seqlen_q=max_q,
-        max_seqlen_kv=max_k,
-        return_lse=want_lse,
-    )
-    return result
+    spec, mod = _spec(left, right, cu_seq_q is cu_seq_k, scale, score_mod, want_lse)
+    varlen = Varlen(cu_seq_q, cu_seq_k, None, None, max_q, max_k)
+    return run_spec(spec, mod, query, key, value, varlen)

@@ -8,7 +8,8 @@ from torch._dynamo.testing import CompileCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fused_attn import DotProductAttention, ops
-from fused_attn.problem import AttentionProblem, Band
+from fused_attn.plan import NO_VARLEN, Varlen
+from fused_attn.spec import resolve_spec
 from score_mods.base import ScoreMod
 from score_mods.library import softcap
 
@@ -44,74 +45,69 @@ def _fresh_dynamo():
     yield
 
 
-def dense_problem(score_mod=None, causal=True, grad=True, b=2, s=8, h=4, hkv=2, d=16):
-    """BSHD tensors viewed as logical (B, H, S, D), as functional hands them to backends."""
+def dense_call(score_mod=None, causal=True, grad=True, b=2, s=8, h=4, hkv=2, d=16):
+    """(q, k, v) BSHD leaves, their spec, and no varlen."""
     q, k, v = (torch.randn(b, s, hh, d, requires_grad=grad) for hh in (h, hkv, hkv))
-    views = [t.transpose(1, 2) for t in (q, k, v)]
-    band = Band(None, 0) if causal else None
-    return (q, k, v), AttentionProblem(*views, "bshd", 1 / math.sqrt(d), band=band, score_mod=score_mod)
+    spec, mod = resolve_spec(qkv_format="bshd", attn_mask_type="causal" if causal else "no_mask",
+                             score_mod=score_mod, backend="reference", return_lse=True)
+    return (q, k, v), spec, mod, NO_VARLEN
 
 
-def thd_problem(score_mod=None):
-    lens = [0, 3, 1, 7]
+def thd_call(score_mod=None):
     cu = torch.tensor([0, 0, 3, 4, 11], dtype=torch.int32)
     q, k, v = (torch.randn(11, 4, 16, requires_grad=True) for _ in range(3))
-    p = AttentionProblem(q, k, v, "thd", 0.25, band=Band(None, 0, True), cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                         max_seqlen_q=max(lens), max_seqlen_kv=max(lens), score_mod=score_mod)
-    return (q, k, v), p
+    spec, mod = resolve_spec(qkv_format="thd", attn_mask_type="causal", score_mod=score_mod, backend="reference",
+                             return_lse=True)
+    return (q, k, v), spec, mod, Varlen(cu, cu, None, None, 7, 7)
 
 
-def naive(p, q, k, v):
-    """float64 per-sequence reference of a (causal) problem; q/k/v leaves in the problem's layout."""
-    sm = p.score_mod
+def naive(fmt, q, k, v, scale, cu=None, sm=None):
+    """float64 per-sequence causal reference; q/k/v leaves in their format (bshd or thd)."""
     def attend(qs, ks, vs):  # (H, S, D)
         ks = ks.repeat_interleave(qs.shape[-3] // ks.shape[-3], -3)
         vs = vs.repeat_interleave(qs.shape[-3] // vs.shape[-3], -3)
-        s = qs.double() @ ks.double().transpose(-1, -2) * p.scale
+        s = qs.double() @ ks.double().transpose(-1, -2) * scale
         if sm is not None:
             s = sm.eager(s, None, None, None, None, None, None)
-        if p.band is not None:
-            s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
         return torch.softmax(s, -1) @ vs.double()
-    if p.qkv_format == "thd":
-        bounds = p.cu_seqlens_q.tolist()
+    if fmt == "thd":
+        bounds = cu.tolist()
         return torch.cat([attend(*(x[a:b].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
                           for a, b in zip(bounds[:-1], bounds[1:])])
-    return attend(*(x.transpose(1, 2) for x in (q, k, v)))  # logical (B, H, S, D) like out
+    return attend(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
 
 
-def fwd_args(p, backend="reference"):
-    sm = p.score_mod
-    return (p.query, p.key, p.value, backend, p.qkv_format, p.scale, ops._band_arg(p.band), p.seqlens_q,
-            p.seqlens_kv, p.cu_seqlens_q, p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded,
-            p.max_seqlen_q, p.max_seqlen_kv, ops.register_score_mod(sm) if sm else "",
-            torch.tensor(list(sm.scalars().values()) if sm else [], dtype=torch.float64), [], p.deterministic)
+def fwd_args(qkv, spec, mod, varlen):
+    scalars = torch.tensor(list(mod.scalars().values()) if mod else [], dtype=torch.float64)
+    return (*qkv, varlen.cu_seqlens_q, varlen.cu_seqlens_kv, None, None, varlen.max_seqlen_q, varlen.max_seqlen_kv,
+            None, scalars, [], ops.register_spec(spec))
 
 
-@pytest.mark.parametrize("make", [dense_problem, thd_problem])
+@pytest.mark.parametrize("make", [dense_call, thd_call])
 @pytest.mark.parametrize("sm", [None, Softcap(3.0)])
 def test_opcheck_forward(make, sm):
-    _, p = make(sm)
-    torch.library.opcheck(torch.ops.fused_attn.attn_fwd.default, fwd_args(p))
+    qkv, spec, mod, varlen = make(sm)
+    torch.library.opcheck(torch.ops.fused_attn.attn_fwd.default, fwd_args(qkv, spec, mod, varlen))
 
 
 def test_opcheck_backward():
-    (q, k, v), p = dense_problem(Softcap(2.0))
-    out, lse, saved = torch.ops.fused_attn.attn_fwd(*fwd_args(p))
-    a = fwd_args(p)
+    qkv, spec, mod, varlen = dense_call(Softcap(2.0))
+    a = fwd_args(qkv, spec, mod, varlen)
+    out, lse, saved = torch.ops.fused_attn.attn_fwd(*a)
     # attn_bwd is not itself differentiable (no double backward): check it on detached inputs.
     bwd = (torch.randn(out.shape), *(t.detach() for t in a[:3]), out.detach(), saved.detach()) + a[3:]
     torch.library.opcheck(torch.ops.fused_attn.attn_bwd.default, bwd)
 
 
-@pytest.mark.parametrize("make", [dense_problem, thd_problem])
+@pytest.mark.parametrize("make", [dense_call, thd_call])
 def test_attention_forward_backward_match_naive(make):
-    (q, k, v), p = make(Softcap(2.5))
-    out, lse = ops.attention(p, "reference")
+    (q, k, v), spec, mod, varlen = make(Softcap(2.5))
+    out, lse = ops.attention(spec, mod, q, k, v, varlen, None)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = naive(p, *leaves)
+    ref = naive(spec.qkv_format, *leaves, 0.25, varlen.cu_seqlens_q, mod)
     want = torch.autograd.grad(ref, leaves, g.double())
     assert lse.dtype == torch.float32
     assert (out.double() - ref).abs().max() < 1e-4
@@ -120,8 +116,8 @@ def test_attention_forward_backward_match_naive(make):
 
 
 def test_unregistered_key_and_missing_rebind():
-    with pytest.raises(ValueError, match="score_mod key 'nope' is not registered"):
-        ops.lookup_score_mod("nope", [], [])
+    with pytest.raises(ValueError, match="spec key 'nope' is not registered"):
+        ops.lookup_spec("nope")
 
     class NoRebind(Softcap):
         rebind = None
@@ -130,16 +126,16 @@ def test_unregistered_key_and_missing_rebind():
         def cache_key(self):
             return ("norebind",)
 
-    key = ops.register_score_mod(NoRebind(1.0))
+    (q, k, v), spec, mod, varlen = dense_call(NoRebind(1.0))
     with pytest.raises(NotImplementedError, match="no rebind"):
-        ops.lookup_score_mod(key, [2.0], [])
-    with pytest.raises(ValueError, match="takes 1 scalars and 0 tensors, got 0 and 0"):
-        ops.lookup_score_mod(key, [], [])
+        ops.attention(spec, mod, q, k, v, varlen, None)
 
 
-def test_score_mod_key_is_structural():
-    assert ops.score_mod_key(Softcap(1.0)) == ops.score_mod_key(Softcap(7.0))
-    assert ops.score_mod_key(Softcap(1.0)).startswith("test_softcap:")
+def test_spec_key_is_structural():
+    specs = [dense_call(Softcap(c))[1] for c in (1.0, 7.0)]
+    assert ops.spec_key(specs[0]) == ops.spec_key(specs[1])
+    assert ops.spec_key(specs[0]).startswith("reference:test_softcap:")
+    assert ops.spec_key(dense_call(Softcap(1.0), causal=False)[1]) != ops.spec_key(specs[0])
 
 
 class Block(torch.nn.Module):
@@ -241,9 +237,9 @@ class OpLog(TorchDispatchMode):
 
 
 def test_dispatch_mode_sees_custom_ops_in_forward_and_backward():
-    (q, k, v), p = dense_problem(Softcap(2.0), causal=False)
+    (q, k, v), spec, mod, varlen = dense_call(Softcap(2.0), causal=False)
     with OpLog() as fwd_log:
-        out, _ = ops.attention(p, "reference")
+        out, _ = ops.attention(spec, mod, q, k, v, varlen, None)
     with OpLog() as bwd_log:
         out.sum().backward()
     assert any(n.startswith("fused_attn.attn_fwd") for n in fwd_log.names)

@@ -8,12 +8,11 @@ import torch
 cudnn = pytest.importorskip("cudnn")
 
 from fused_attn.backends import cudnn as backend  # noqa: E402
-from fused_attn.backends.cudnn import varlen  # noqa: E402
+from fused_attn.backends.cudnn import lowering, varlen  # noqa: E402
 from fused_attn.backends.cudnn.graphs import (  # noqa: E402
     construct, cudnn_band, dense_strides_like, grad_strides, thd_strides,
 )
 from fused_attn.cache import GraphKey  # noqa: E402
-from fused_attn.problem import AttentionProblem, Band  # noqa: E402
 from score_mods.base import ScoreMod, describe_operands  # noqa: E402
 
 B, H, HKV, SQ, SKV, D, DV = 2, 4, 2, 96, 128, 64, 32
@@ -161,7 +160,7 @@ def test_score_mod_operands_and_callbacks(direction, lengths):
     mod = ScaleMod(lengths=lengths)
     operands = dict(mod.cudnn_operands())
     if lengths:
-        operands["q_len"], operands["kv_len"] = backend._len_scalar(SQ), backend._len_scalar(SKV)
+        operands.update(lowering._length_scalars(SQ, SKV))
     key, _ = dense_key(direction, "bshd", score_mod=mod, operands=operands)
     graph, named = construct(key, mod, operands)
     graph.validate()
@@ -236,41 +235,53 @@ def test_buckets():
     assert [varlen.bucket_seqlen(n) for n in (0, 1, 63, 64, 65, 1792, 4096)] == [64, 64, 64, 64, 128, 2048, 4096]
 
 
-def make_thd_problem(lens_q, lens_kv, padded_gap=0, band=None):
+def make_thd(lens_q, lens_kv, padded_gap=0):
+    """(layout, Varlen, tokens) of a packed batch; kv lengths from their own cu_seqlens."""
+    from fused_attn.plan import Varlen
+
     cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
     cu_kv = torch.tensor([0] + list(torch.tensor(lens_kv).cumsum(0)), dtype=torch.int32)
     pad_q = None
     if padded_gap:
         pad_q = torch.tensor([i * padded_gap + int(c) for i, c in enumerate(cu_q)], dtype=torch.int32)
     tq = int(pad_q[-1]) if pad_q is not None else int(cu_q[-1])
-    q = torch.randn(tq, H, D)
-    k, v = torch.randn(int(cu_kv[-1]), HKV, D), torch.randn(int(cu_kv[-1]), HKV, DV)
-    return AttentionProblem(q, k, v, "thd", 0.125, band=band, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
-                            cu_seqlens_q_padded=pad_q, max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv))
+    layout = varlen.ThdLayout(len(lens_q), varlen.bucket_batch(len(lens_q)), (H * D, 7), (HKV * D, HKV * DV),
+                              torch.device("cpu"))
+    vl = Varlen(cu_q, cu_kv, pad_q, None, max(lens_q), max(lens_kv))
+    return layout, vl, (tq, int(cu_kv[-1]))
 
 
 def test_prepare_pads_batch_with_empty_sequences():
-    p = make_thd_problem([3, 0, 70], [5, 1, 2])
-    thd = varlen.prepare(p)
-    assert (thd.batch, thd.batch_bucket, thd.sq_bucket, thd.skv_bucket) == (3, 4, 128, 64)
+    layout, vl, tokens = make_thd([3, 0, 70], [5, 1, 2])
+    thd = varlen.prepare(layout, vl, tokens, (70, 5))
+    assert (layout.batch, layout.batch_bucket) == (3, 4)
     assert thd.seq_q.view(-1).tolist() == [3, 0, 70, 0] and thd.seq_kv.view(-1).tolist() == [5, 1, 2, 0]
     assert thd.tok_q.tolist() == [0, 3, 3, 73, 73]
-    assert thd.offsets("kv", HKV * D).view(-1).tolist() == [x * HKV * D for x in [0, 5, 6, 8, 8]]
-    assert thd.offsets("q", 7).shape == (5, 1, 1, 1) and thd.offsets("q", 7).dtype == torch.int32
+    assert thd.offsets[("kv", HKV * D)].view(-1).tolist() == [x * HKV * D for x in [0, 5, 6, 8, 8]]
+    assert thd.offsets[("q", 7)].shape == (5, 1, 1, 1) and thd.offsets[("q", 7)].dtype == torch.int32
+    assert varlen.prepare(layout, vl, tokens, (70, 5)) is thd  # memoized per tensor identity and version
+
+
+def test_prepare_checks_values():
+    layout, vl, tokens = make_thd([3, 4], [3, 4])
+    with pytest.raises(RuntimeError, match="invalid cu_seqlens"):
+        varlen.prepare(layout, vl, (tokens[0] + 1, tokens[1]), (4, 4))  # token count mismatch
+    with pytest.raises(RuntimeError, match="invalid cu_seqlens"):
+        varlen.prepare(layout, vl, tokens, (3, 4))  # a length above max_seqlen
 
 
 def test_prepare_uses_padded_offsets():
-    p = make_thd_problem([3, 4], [3, 4], padded_gap=2)
-    thd = varlen.prepare(p)
+    layout, vl, tokens = make_thd([3, 4], [3, 4], padded_gap=2)
+    thd = varlen.prepare(layout, vl, tokens, (4, 4))
     assert thd.tok_q.tolist() == [0, 5, 11]  # token offsets from cu_seqlens_q_padded
     assert thd.seq_q.view(-1).tolist() == [3, 4]
 
 
 def test_gather_lse_packed_layout():
-    p = make_thd_problem([3, 0, 5], [3, 1, 5], padded_gap=1)
-    thd = varlen.prepare(p)
-    stats = torch.randn(thd.batch_bucket, H, thd.sq_bucket, 1)
-    tq = p.query.shape[0]
+    layout, vl, tokens = make_thd([3, 0, 5], [3, 1, 5], padded_gap=1)
+    thd = varlen.prepare(layout, vl, tokens, (5, 5))
+    stats = torch.randn(layout.batch_bucket, H, 64, 1)
+    tq = tokens[0]
     lse = varlen.gather_lse(stats, thd, tq)
     assert lse.shape == (H, tq) and lse.dtype == torch.float32
     expected = torch.full((H, tq), float("-inf"))
@@ -281,34 +292,55 @@ def test_gather_lse_packed_layout():
     torch.testing.assert_close(lse, expected)
 
 
+def test_rows_of_sequences_without_keys():
+    layout, vl, tokens = make_thd([2, 3, 1], [1, 0, 4])
+    thd = varlen.prepare(layout, vl, tokens, (3, 4))
+    assert varlen.token_rows_of_empty_kv(thd, tokens[0]).tolist() == [False, False, True, True, True, False]
+
+
 def test_offset_range_check():
     with pytest.raises(NotImplementedError, match="int32 ragged offsets"):
         varlen.check_offset_range("query", 2**24, 64, 128)
     varlen.check_offset_range("query", 1024, 16, 128)
 
 
+def static_problem(fmt="bshd", dtype=torch.bfloat16, d=64, dv=64, device="cpu", lens=None, **spec_kw):
+    """The StaticProblem a call would plan (metadata only; CPU tensors stand in for CUDA ones)."""
+    from fused_attn.plan import NO_VARLEN, Varlen, _static_problem
+    from fused_attn.spec import resolve_spec
+
+    spec, mod = resolve_spec(qkv_format=fmt, **spec_kw)
+    if fmt == "thd":
+        lq, lk = lens
+        cq = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device=device)
+        ck = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device=device)
+        q = torch.randn(int(cq[-1]), 2, d, dtype=dtype, device=device)
+        k = torch.randn(int(ck[-1]), 2, d, dtype=dtype, device=device)
+        v = torch.randn(int(ck[-1]), 2, dv, dtype=dtype, device=device)
+        return _static_problem(spec, mod, q, k, v, Varlen(cq, ck, None, None, max(lq), max(lk)), None)
+    q = torch.randn(1, 16, 2, d, dtype=dtype, device=device)
+    k = torch.randn(1, 16, 2, d, dtype=dtype, device=device)
+    v = torch.randn(1, 16, 2, dv, dtype=dtype, device=device)
+    return _static_problem(spec, mod, q, k, v, NO_VARLEN, None)
+
+
 def test_bottom_right_thd_shares_one_seq_bucket():
-    p = make_thd_problem([100, 3], [10, 20], band=Band(None, 0, True))
-    assert backend._seq_buckets(p) == (128, 128)
-    assert backend.saved_like(p).shape == (2, H, 128, 1)
-    p2 = make_thd_problem([100, 3], [10, 20])
-    assert backend._seq_buckets(p2) == (128, 64)
+    p = static_problem("thd", lens=([100, 3], [10, 20]), attn_mask_type="causal_bottom_right")
+    assert backend.saved_shape(p) == (2, 2, 128, 1)
+    p2 = static_problem("thd", lens=([100, 3], [10, 20]))
+    assert (p2.seqlen_q, p2.seqlen_kv) == (128, 64) and backend.saved_shape(p2) == (2, 2, 128, 1)
 
 
-# ----------------------------------------------------------------------------- can_serve
+# ----------------------------------------------------------------------------- refusals
 
 
-def dense_problem(dtype=torch.bfloat16, d=64, dv=64, device="cpu"):
-    q = torch.randn(1, 2, 16, d, dtype=dtype, device=device)
-    k = torch.randn(1, 2, 16, d, dtype=dtype, device=device)
-    v = torch.randn(1, 2, 16, dv, dtype=dtype, device=device)
-    return AttentionProblem(q, k, v, "bshd", 0.125)
-
-
-def test_can_serve_reasons_on_cpu():
-    assert "needs CUDA tensors" in backend.can_serve(dense_problem())
+def test_refusal_reasons_on_cpu():
+    assert "needs CUDA tensors" in backend.refusal(static_problem())
+    q = torch.randn(1, 16, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="backend='cudnn' cannot run this problem: the cuDNN backend needs CUDA"):
-        backend.forward(dense_problem())
+        import fused_attn
+
+        fused_attn.dot_product_attention(q, q, q, backend="cudnn")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -317,62 +349,64 @@ def test_can_serve_reasons_on_cpu():
     (dict(d=60), "multiple of 8"),
     (dict(dv=264), "value head dim"),
 ])
-def test_can_serve_reasons_on_cuda(kw, match):
-    assert match in backend.can_serve(dense_problem(device="cuda", **kw))
+def test_refusal_reasons_on_cuda(kw, match):
+    assert match in backend.refusal(static_problem(device="cuda", **kw))
 
 
-def test_saved_like_dense():
-    p = dense_problem()
-    s = backend.saved_like(p)
-    assert s.shape == (1, 2, 16, 1) and s.dtype == torch.float32
+def test_saved_shape_dense():
+    assert backend.saved_shape(static_problem()) == (1, 2, 16, 1)
 
 
 # ----------------------------------------------------------------------------- autograd
 
 
-class _FakeBackend:
-    """A backend module stand-in: forward saves 2*lse-ish data; backward uses only what it saved."""
+class _FakeRunner:
+    """A runner stand-in: forward saves the lse; backward uses only what it saved."""
 
     def __init__(self):
         self.backward_calls = []
 
     @staticmethod
-    def _math(q, k, v, scale):
+    def _math(q, k, v, scale=0.3):
         s = (q @ k.transpose(-1, -2)) * scale
         return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
-    def forward(self, problem):
-        out, lse = self._math(problem.query, problem.key, problem.value, problem.scale)
-        return out, lse, lse.unsqueeze(-1).clone()
+    def grad_inputs(self, mod, sinks):
+        return ()
 
-    def backward(self, problem, out, saved, grad_out):
-        self.backward_calls.append((out.shape, saved.shape, grad_out.stride()))
-        q, k, v = (t.detach().requires_grad_() for t in (problem.query, problem.key, problem.value))
+    def forward(self, q, k, v, varlen, mod, sinks):
+        out, lse = self._math(q.detach(), k.detach(), v.detach())
+        return out, lse, (q, k, v, lse.unsqueeze(-1).clone()), "state"
+
+    def backward(self, state, saved, grad_out):
+        q, k, v, stats = saved
+        self.backward_calls.append((state, stats.shape, grad_out.stride()))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
-            o, _ = self._math(q, k, v, problem.scale)
+            o, _ = self._math(q, k, v)
             return torch.autograd.grad(o, (q, k, v), grad_out)
 
 
 def test_autograd_function_gradients_and_saved():
     from fused_attn.autograd import attention
+    from fused_attn.plan import NO_VARLEN
 
-    fake = _FakeBackend()
+    fake = _FakeRunner()
     q, k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    problem = AttentionProblem(q, k, v, "bhsd", 0.3, return_lse=True)
-    out, lse = attention(fake, problem)
+    out, lse = attention(fake, q, k, v, NO_VARLEN, None, None)
     assert not lse.requires_grad
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
-    expected = torch.autograd.grad(_FakeBackend._math(q, k, v, 0.3)[0], (q, k, v), g)
+    expected = torch.autograd.grad(_FakeRunner._math(q, k, v)[0], (q, k, v), g)
     for a, b in zip(grads, expected):
         torch.testing.assert_close(a, b)
-    assert fake.backward_calls == [((2, 3, 5, 8), (2, 3, 5, 1), g.stride())]
+    assert fake.backward_calls == [("state", (2, 3, 5, 1), g.stride())]
 
 
 def test_autograd_no_grad_skips_function():
     from fused_attn.autograd import attention
+    from fused_attn.plan import NO_VARLEN
 
-    fake = _FakeBackend()
     q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
-    out, lse = attention(fake, AttentionProblem(q, k, v, "bhsd", 0.5, return_lse=True))
+    out, lse = attention(_FakeRunner(), q, k, v, NO_VARLEN, None, None)
     assert out.grad_fn is None and out.shape == (1, 1, 4, 8)

@@ -112,7 +112,7 @@ def test_bf16():
         (CU[:2], ValueError, "expected 3 rows, got 2"),
         (CU[:, :1], ValueError, "at least 2 columns"),
         ([[0, 12]] * 3, TypeError, "cu_seq must be a .* torch.Tensor, got list"),
-        (torch.tensor([[0, 13, 12]] * 3, dtype=torch.int32), ValueError, r"row 0 values outside \[0, S=12\]"),
+        (torch.tensor([[0, 13, 12]] * 3, dtype=torch.int32), ValueError, r"row 0 has values outside \[0, S=12\]"),
         (torch.tensor([[0, 12], [1, 12], [0, 12]], dtype=torch.int32), ValueError, "row 1 does not start at 0"),
         (torch.tensor([[0, 12], [0, 12], [0, 11]], dtype=torch.int32), ValueError, "row 2 does not end at S=12"),
         (torch.tensor([[0, 6, 5, 12]] * 3, dtype=torch.int32), ValueError, "row 0 is decreasing"),

@@ -10,7 +10,6 @@ import torch
 import fused_attn
 from conftest import band_mask, cu_seqlens, naive_attention, rand, tolerance
 from fused_attn.backends import reference
-from fused_attn.functional import build_problem
 from fused_attn.layouts import from_logical
 from score_mods.base import ScoreMod
 
@@ -207,15 +206,19 @@ def test_query_blocks_match_single_block(gen, monkeypatch):
     torch.testing.assert_close(lse1, lse2, atol=1e-6, rtol=0)
 
 
-def test_protocol_forward_backward_match_autograd(gen):
+def test_runner_forward_backward_match_autograd(gen):
+    from fused_attn.plan import NO_VARLEN, get_plan
+    from fused_attn.spec import resolve_spec
+
     q, k, v = _dense(gen, 2, 4, 2, 5, 6, 8, 8, dtype=torch.float64, requires_grad=True)
-    problem, _ = build_problem(q, k, v, qkv_format="bhsd", attn_mask_type="causal", backend="reference")
-    assert reference.can_serve(problem) is None
-    out, lse, saved = reference.forward(problem)
-    assert not out.requires_grad and saved is None
+    spec, mod = resolve_spec(qkv_format="bhsd", attn_mask_type="causal", backend="reference")
+    plan = get_plan(spec, mod, q, k, v, NO_VARLEN)
+    assert plan.backend == "reference" and plan.reason == "backend='reference' was requested"
+    out, lse, saved, state = plan.runner.forward(q, k, v, NO_VARLEN, mod, None)
+    assert not out.requires_grad and out.shape == (2, 4, 5, 8)
     grad_out = rand(gen, *out.shape, dtype=torch.float64)
-    dq, dk, dv = reference.backward(problem, out, saved, grad_out)
-    out2, _ = reference.attention(problem)
+    dq, dk, dv = plan.runner.backward(state, saved, grad_out)
+    out2 = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal", backend="reference")
     want = torch.autograd.grad(out2, (q, k, v), grad_out)
     for got, exp in zip((dq, dk, dv), want):
         torch.testing.assert_close(got, exp)
@@ -270,11 +273,9 @@ def test_cudnn_backend_on_cpu_raises(gen):
 
 
 def test_auto_uses_reference_on_cpu(gen):
-    from fused_attn.backends import select
-
     q, k, v = _dense(gen, 1, 2, 2, 4, 4, 8, 8)
-    problem, _ = build_problem(q, k, v, qkv_format="bhsd")
-    assert select.choose(problem, "auto")[0] == "reference"
+    got = fused_attn.explain(q, k, v, qkv_format="bhsd")
+    assert got.backend == "reference" and "on cpu" in got.reason
 
 
 def test_reference_refuses_mod_without_eager(gen):

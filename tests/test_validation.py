@@ -36,8 +36,8 @@ i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
     (dict(window_size=(-2, 0)), ValueError, r"window_size left must be >= -1.*got -2"),
     (dict(window_size=(0, True)), TypeError, r"window_size right must be an int"),
     (dict(attn_mask_type="causal", window_size=(2, 3)), ValueError, r"causal mask needs the window's right bound"),
-    (dict(softmax_scale=0.0), ValueError, r"softmax_scale must be a positive finite float.*0.0"),
-    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a positive finite float.*nan"),
+    (dict(softmax_scale=0.0), ValueError, r"softmax_scale must be a positive float or None, finite in float32.*got 0.0"),
+    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a positive float or None, finite in float32.*got nan"),
     (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a positive finite float.*'0.1'"),
     (dict(return_lse=1), TypeError, r"return_lse must be a bool, got 1"),
     (dict(deterministic="yes"), TypeError, r"deterministic must be a bool"),
@@ -63,7 +63,7 @@ i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
      r"cu_seqlens_q gives a sequence length 6 > the tensors' sequence length 5"),
     (dict(attn_mask_type="padding", cu_seqlens_q=i32([0, 2, 5]), cu_seqlens_kv=i32([0, 2, 5]),
           cu_seqlens_q_padded=i32([0, 2, 5])), ValueError, r"cu_seqlens_q_padded is only accepted with qkv_format='thd'"),
-    (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q=3 is smaller than a sequence length \(5\)"),
+    (dict(max_seqlen_q=3), ValueError, r"max_seqlen_q=3 is smaller than the query's sequence length \(5\)"),
     (dict(max_seqlen_kv=5.0), TypeError, r"max_seqlen_kv must be a Python int or None, got 5.0"),
     (dict(max_seqlen_kv=-1), ValueError, r"max_seqlen_kv must be >= 0, got -1"),
 ])
@@ -148,10 +148,12 @@ def test_thd_errors(packed, kw, exc, match):
 
 
 def test_thd_max_seqlen_derived(packed):
-    from fused_attn.functional import build_problem
+    from fused_attn.plan import Varlen
+    from fused_attn.validation import derive_max_seqlens
 
-    problem, _ = build_problem(*packed, qkv_format="thd", cu_seqlens_q=i32([0, 3, 7]), cu_seqlens_kv=i32([0, 0, 7]))
-    assert (problem.max_seqlen_q, problem.max_seqlen_kv) == (4, 7)
+    assert derive_max_seqlens(Varlen(i32([0, 3, 7]), i32([0, 0, 7]))) == (4, 7)
+    assert fused_attn.explain(*packed, qkv_format="thd", cu_seqlens_q=i32([0, 3, 7]),
+                              cu_seqlens_kv=i32([0, 0, 7])).problem.endswith("float32 on cpu")
 
 
 def test_score_mod_tensors_without_score_mod(qkv):

@@ -19,26 +19,128 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..layouts import in_query_layout
+from ..layouts import from_logical
 from ..problem import AttentionProblem, Band
 
-__all__ = ["can_serve", "forward", "backward", "attention", "MAX_BLOCK_ELEMENTS"]
+__all__ = ["refusal", "make_runner", "ReferenceRunner", "forward", "backward", "MAX_BLOCK_ELEMENTS"]
 
 #: Upper bound on the score elements of one query block (B * H * rows * Skv).
 MAX_BLOCK_ELEMENTS = 1 << 25
 
 
-def can_serve(problem: AttentionProblem) -> Optional[str]:
+def refusal(problem) -> Optional[str]:
     """None (the reference runs every validated problem) unless the score_mod has no eager form."""
-    mod = problem.score_mod
+    mod = problem.spec.score_mod
     if mod is not None and not mod.has_reference:
         return (f"score_mod {mod.name!r} has no eager reference (a raw cuDNN callback needs reference=... "
                 "to run on the reference backend)")
+    if problem.spec.dropout_p:
+        return "attention dropout is not implemented on the reference backend yet"
     return None
 
 
+def make_runner(problem) -> "ReferenceRunner":
+    return ReferenceRunner(problem)
+
+
+_PERM = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
+
+
+class ReferenceRunner:
+    """Runs a call plan's problem with PyTorch math. forward -> (out, lse, saved, state);
+    backward recomputes the forward with autograd (gradients for q, k, v, the score_mod's
+    floating tensor parameters and the sinks)."""
+
+    backend = "reference"
+
+    def __init__(self, problem) -> None:
+        self.static = problem
+        spec = problem.spec
+        self.perm = None if spec.is_packed else _PERM[spec.qkv_format]
+        self.off_by_one = spec.softmax_type == "off-by-one"
+
+    def _problem(self, q, k, v, varlen, mod, sinks) -> AttentionProblem:
+        spec, st = self.static.spec, self.static
+        if self.off_by_one:
+            sinks = torch.zeros(st.heads, dtype=torch.float32, device=q.device)
+        seqlens_q = seqlens_kv = None
+        if spec.padding:
+            seqlens_q = (varlen.cu_seqlens_q[1:] - varlen.cu_seqlens_q[:-1]).to(torch.int32)
+            seqlens_kv = (varlen.cu_seqlens_kv[1:] - varlen.cu_seqlens_kv[:-1]).to(torch.int32)
+        if not spec.is_packed:
+            q, k, v = (t.permute(self.perm) for t in (q, k, v))
+        return AttentionProblem(
+            query=q, key=k, value=v, qkv_format=spec.qkv_format, scale=st.scale, band=spec.band,
+            seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
+            cu_seqlens_q=varlen.cu_seqlens_q if spec.is_packed else None,
+            cu_seqlens_kv=varlen.cu_seqlens_kv if spec.is_packed else None,
+            cu_seqlens_q_padded=varlen.cu_seqlens_q_padded, cu_seqlens_kv_padded=varlen.cu_seqlens_kv_padded,
+            max_seqlen_q=st.seqlen_q, max_seqlen_kv=st.seqlen_kv, score_mod=mod, return_lse=True,
+            deterministic=spec.deterministic, sinks=sinks)
+
+    def grad_inputs(self, mod, sinks) -> tuple:
+        """The tensors besides q, k, v that the backward differentiates (in its order)."""
+        return tuple(t for _, t in _grad_tensors(mod, sinks))
+
+    def forward(self, q, k, v, varlen, mod, sinks):
+        with torch.no_grad():
+            out, lse = _compute(self._problem(q, k, v, varlen, mod, sinks))
+        extras = _grad_tensors(mod, sinks)
+        return out, lse, (q, k, v) + tuple(t for _, t in extras), (varlen, mod, sinks, tuple(n for n, _ in extras))
+
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
+        """The backward from the call's arguments (the custom-op path, which keeps no state)."""
+        extras = _grad_tensors(mod, sinks)
+        state = (varlen, mod, sinks, tuple(n for n, _ in extras))
+        return self.backward(state, (q, k, v) + tuple(t for _, t in extras), grad_out)
+
+    def backward(self, state, saved, grad_out):
+        varlen, mod, sinks, names = state
+        q, k, v = saved[:3]
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        extra = [t.detach().requires_grad_(True) for t in saved[3:]]
+        named = dict(zip(names, extra))
+        sink_leaf = named.pop(_SINKS, sinks)
+        if named:
+            mod = mod.bind(**named)
+        with torch.enable_grad(), _autograd_dispatch():
+            out, _ = _compute(self._problem(*leaves, varlen, mod, sink_leaf))
+            wrt = leaves + extra
+            if not out.requires_grad:  # nothing attends (e.g. Skv = 0): zero gradients
+                return tuple(torch.zeros_like(t) for t in wrt)
+            grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+        return tuple(torch.zeros_like(t) if g is None else _like(g, t) for g, t in zip(grads, wrt))
+
+
+_SINKS = "\0sinks"
+
+
+def _like(g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """g in t's memory layout (what the custom op's fake implementation promises)."""
+    return g if g.stride() == t.stride() else torch.empty_like(t).copy_(g)
+
+
+def _grad_tensors(mod, sinks) -> list:
+    """(name, tensor) of the floating score_mod tensor parameters and the sinks: the inputs
+    besides q, k, v that gradients flow to (in this order; the autograd layer passes them)."""
+    out = []
+    if mod is not None and getattr(mod, "has_reference", True):
+        for name, t in mod.tensors().items():
+            if t.is_floating_point() and _bindable(mod, name):
+                out.append((name, t))
+    if sinks is not None:
+        out.append((_SINKS, sinks))
+    return out
+
+
+def _bindable(mod, name: str) -> bool:
+    """True when the mod takes `name` as a bindable tensor parameter (traced mods)."""
+    specs = getattr(mod, "specs", None)
+    return specs is not None and name in specs
+
+
 def forward(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor, None]:
-    """(out, lse, None) without autograd; out in the query's layout with value's head dim."""
+    """(out, lse, None) of an AttentionProblem without autograd (used by tools and tests)."""
     with torch.no_grad():
         out, lse = _compute(problem)
     return out, lse, None
@@ -51,7 +153,7 @@ def backward(problem: AttentionProblem, out: torch.Tensor, saved: None,
     sub = dataclasses.replace(problem, query=leaves[0], key=leaves[1], value=leaves[2])
     with torch.enable_grad(), _autograd_dispatch():
         recomputed, _ = _compute(sub)
-        if not recomputed.requires_grad:  # nothing attends (e.g. Skv = 0): zero gradients
+        if not recomputed.requires_grad:
             return tuple(torch.zeros_like(t) for t in leaves)
         grads = torch.autograd.grad(recomputed, leaves, grad_out, allow_unused=True)
     return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))
@@ -65,11 +167,6 @@ def _autograd_dispatch():
         torch._C.DispatchKey.AutogradCUDA)
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
                                            torch._C._dispatch_tls_local_exclude_set() - keys)
-
-
-def attention(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Autograd-aware (out, lse); lse (fp32, not differentiable) is always computed."""
-    return _compute(problem)
 
 
 # ----------------------------------------------------------------------------- math
@@ -90,7 +187,7 @@ def _compute(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor]:
         kv_len = torch.full((batch, 1, 1, 1), k.shape[2], dtype=torch.int64, device=dev)
         lengths = False
     out, lse = _core(q, k, v, problem, b_idx, q_len, kv_len, lengths)
-    return in_query_layout(out.to(q.dtype), problem.qkv_format), lse
+    return from_logical(out.to(q.dtype), problem.qkv_format).contiguous(), lse
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -109,9 +206,16 @@ def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionP
     acc, dev = _acc_dtype(q.dtype), q.device
     if sq == 0 or skv == 0:
         out = torch.zeros((batch, heads, sq, dv), dtype=acc, device=dev)
-        return out, torch.full((batch, heads, sq), -math.inf, dtype=torch.float32, device=dev)
+        lse = torch.full((batch, heads, sq), -math.inf, dtype=torch.float32, device=dev)
+        if problem.sinks is not None:
+            lse = problem.sinks.detach().float().view(1, heads, 1).expand(batch, heads, sq).clone()
+        return out, lse
     group = heads // hkv
     kf, vf = k.to(acc), v.to(acc)
+    finite = torch.isfinite(vf)
+    v_finite = torch.where(finite, vf, torch.zeros_like(vf))
+    v_bad = (~finite).to(acc)  # (B, Hkv, Skv, Dv) indicator, used without a host sync
+    sink = None if problem.sinks is None else problem.sinks.to(acc).view(1, heads, 1, 1)
     h_idx = torch.arange(heads, device=dev).view(1, heads, 1, 1)
     kv_idx = torch.arange(skv, device=dev).view(1, 1, 1, skv)
     rows = max(1, MAX_BLOCK_ELEMENTS // max(1, batch * heads * skv))
@@ -128,8 +232,14 @@ def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionP
         allowed = _allowed(problem.band, q_idx, kv_idx, q_len, kv_len, lengths)
         if allowed is not None:
             s = s.masked_fill(~allowed, -math.inf)
-        p, lse = _softmax(s)
-        o = torch.matmul(p.view(batch, hkv, group * n, skv), vf).view(batch, heads, n, dv)
+        p, lse = _softmax(s, sink)
+        pg = p.view(batch, hkv, group * n, skv)
+        o = torch.matmul(pg, v_finite).view(batch, heads, n, dv)
+        if v_bad is not None:
+            # A non-finite value poisons exactly the rows that attend it (p > 0), as the math
+            # says; rows that do not attend it (masked, past a length) stay untouched.
+            hits = torch.matmul((pg.detach() > 0).to(acc), v_bad).view(batch, heads, n, dv)
+            o = torch.where(hits > 0, torch.full_like(o, math.nan), o)
         outs.append(o)
         lses.append(lse)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -155,12 +265,18 @@ def _allowed(band: Optional[Band], q_idx: torch.Tensor, kv_idx: torch.Tensor, q_
     return allowed
 
 
-def _softmax(s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Row softmax and fp32 log-sum-exp of s (..., Skv); rows of -inf give p = 0, lse = -inf, no NaN."""
+def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax and fp32 log-sum-exp of s (..., Skv), with an optional sink logit per row
+    (broadcast (1, H, 1, 1)) that takes probability mass but has no value. Rows of -inf (and no
+    sink) give p = 0, lse = -inf, no NaN."""
     row_max = s.detach().amax(dim=-1, keepdim=True)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink.detach().expand_as(row_max))
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(s - row_max)
     denom = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
     lse = (torch.log(denom.detach()) + row_max).squeeze(-1).to(torch.float32)
     return p, lse

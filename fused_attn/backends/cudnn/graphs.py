@@ -13,6 +13,15 @@ Slots (names of the buffers bound at execute, see `CompiledGraph.slots`):
                                            <m> the multiplier (heads * head dim)
     sm:<name>                              score_mod operands; q_len / kv_len are the
                                            seq_len tensors (padding / thd) or CPU fp32 scalars
+    attn_scale                             CPU fp32 (1, 1, 1, 1) pass-by-value softmax scale
+                                           (a new scale never rebuilds a graph)
+    bias, dBias                            cuDNN's own post-score_mod bias (B|1, H|1, Sq, Skv)
+                                           and its gradient (backward, when trained)
+    sink, dSink                            (1, H, 1, 1) fp32 sink logits and their gradient
+
+Execution: `CompiledGraph.fast` holds what the lowered graph's raw-pointer execute needs (the
+user slots in the backend's sorted-uid order and the plan index); `runtime.execute` uses it
+when present and the frontend's public ordered `execute` otherwise. Both run the same plan.
 """
 
 from __future__ import annotations
@@ -70,12 +79,47 @@ def grad_strides(key: GraphKey) -> Tuple[Dims, Dims, Dims]:
 
 @dataclass
 class CompiledGraph:
-    """A built graph plus what execute needs: slot names and uids in the same order."""
+    """A built graph plus what execute needs: slot names and uids in the same order, and the
+    raw-pointer fast path (lowered graph, slot names in sorted-uid order, plan index) or None."""
 
     graph: Any
     slots: Tuple[str, ...]
     uids: List[int]
     workspace_size: int
+    fast: Optional[Tuple[Any, Tuple[str, ...], int]] = None
+
+
+def fast_path(graph: Any, named: Dict[str, Any]) -> Optional[Tuple[Any, Tuple[str, ...], int]]:
+    """(lowered graph, slots in its sorted-uid order, plan index) for raw-pointer execution, or
+    None when this frontend build does not offer it or a user slot is not one of ours."""
+    try:
+        lowered = graph._lowered_graph
+        if lowered is None or graph.selected_engine is not None:
+            return None
+        lowered._prepare_variant_pack_template()
+        order = [int(u) for u in lowered._get_variant_pack_uids_sorted()]
+        cfg = graph._materialize_backend_plan(graph._plan_index) if graph._plans else None
+        index = -1 if cfg is None or cfg.cpp_index is None else int(cfg.cpp_index)
+    except Exception:  # noqa: BLE001 - private API of the pinned frontend: absent means "use the public path"
+        return None
+    by_uid = {int(t.get_uid()): name for name, t in named.items()}
+    if not order or any(u not in by_uid for u in order):
+        return None
+    return lowered, tuple(by_uid[u] for u in order), index
+
+
+_DTYPE_BY_NAME = {
+    "float16": lambda c: c.data_type.HALF, "bfloat16": lambda c: c.data_type.BFLOAT16,
+    "float32": lambda c: c.data_type.FLOAT,
+}
+
+
+def _dense_strides(dims: Sequence[int]) -> Tuple[int, ...]:
+    out, step = [0] * len(dims), 1
+    for d in reversed(range(len(dims))):
+        out[d] = step
+        step *= dims[d]
+    return tuple(out)
 
 
 def _io_type(cudnn: Any, dtype: str) -> Any:
@@ -153,7 +197,16 @@ def _common_kwargs(b: _Builder, score_mod: Any, operand_templates: Dict[str, tor
                    backward: bool) -> Dict[str, Any]:
     """sdpa / sdpa_backward keyword arguments for masks, lengths and the score_mod."""
     key, cudnn = b.key, b.cudnn
-    kw: Dict[str, Any] = {"attn_scale": key.scale}
+    kw: Dict[str, Any] = {}
+    if key.scale is None:
+        kw["attn_scale"] = b.tensor_like("attn_scale", torch.ones((1, 1, 1, 1), dtype=torch.float32))
+    else:
+        kw["attn_scale"] = key.scale
+    if key.bias is not None:
+        dims, strides, dtype, _ = key.bias
+        kw["bias"] = b.tensor("bias", dims, strides, _DTYPE_BY_NAME[dtype](cudnn))
+    if key.sinks:
+        kw["sink_token"] = b.tensor("sink", (1, key.q_dims[1], 1, 1), (key.q_dims[1], 1, 1, 1), cudnn.data_type.FLOAT)
     if key.band is not None:
         left, right, bottom_right = key.band
         kw["diagonal_alignment"] = (cudnn.diagonal_alignment.BOTTOM_RIGHT if bottom_right
@@ -207,6 +260,14 @@ def construct(key: GraphKey, score_mod: Any = None, operand_templates: Optional[
         kw = _common_kwargs(b, score_mod, operand_templates or {}, backward=True)
         if key.deterministic:
             kw["use_deterministic_algorithm"] = True
+        if key.bias is not None and key.bias[3]:
+            dims, _, dtype, _ = key.bias
+            kw["dBias"] = b.tensor("dBias", dims, _dense_strides(dims), _DTYPE_BY_NAME[dtype](cudnn))
+            b.named["dBias"].set_output(True)
+        if key.sinks:
+            h = key.q_dims[1]
+            kw["dSink_token"] = b.tensor("dSink", (1, h, 1, 1), (h, 1, 1, 1), cudnn.data_type.FLOAT)
+            b.named["dSink"].set_output(True)
         dq, dk, dv = b.graph.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, name="sdpa_bwd", **kw)
         sq, sk, sv = grad_strides(key)
         b.output("dQ", dq, "q", key.q_dims, sq)
@@ -235,7 +296,13 @@ def build(key: GraphKey, score_mod: Any, operand_templates: Dict[str, torch.Tens
         message = f"{type(exc).__name__}: {exc}"
     else:
         slots = tuple(named)
-        return CompiledGraph(graph, slots, [named[s].get_uid() for s in slots], workspace)
+        fast = fast_path(graph, named)
+        if fast is not None and fast[2] >= 0:
+            try:  # the plan actually executed must get its own requirement
+                workspace = max(workspace, int(fast[0].get_workspace_size_plan_at_index(fast[2])))
+            except Exception:  # noqa: BLE001 - private API: keep the graph-level figure
+                pass
+        return CompiledGraph(graph, slots, [named[s].get_uid() for s in slots], workspace, fast)
     raise NotImplementedError(
         f"cuDNN cannot run this attention configuration ({key.describe()}): {message.strip()[:600]}. "
         "Use backend='reference' for it."

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any, Dict, Sequence, Tuple
 
@@ -19,7 +20,7 @@ import torch
 
 from .graphs import CompiledGraph
 
-__all__ = ["handle_for", "workspace_for", "execute", "current_stream", "release_all"]
+__all__ = ["handle_for", "workspace_for", "execute", "current_stream", "release_all", "release_workspaces"]
 
 _local = threading.local()
 _ws_lock = threading.Lock()
@@ -76,12 +77,21 @@ def release_workspaces() -> None:
         _workspaces.clear()
 
 
-def execute(compiled: CompiledGraph, buffers: Sequence[Any], device_index: int) -> None:
-    """Run `compiled` on the current stream of `device_index`; buffers in `compiled.slots` order."""
+def execute(compiled: CompiledGraph, bind: Dict[str, Any], device_index: int) -> None:
+    """Run `compiled` on the current stream of `device_index` with buffers `bind` (slot name ->
+    tensor). The lowered graph's raw-pointer execute when the build offered it (the same plan,
+    without the frontend's per-call Python checks: the call plan already guarantees shapes and
+    strides), else the frontend's public ordered execute."""
     import cudnn
 
     handle = handle_for(device_index)
     stream = current_stream(device_index)
     cudnn.set_stream(handle, stream)
     ws = workspace_for(device_index, stream, compiled.workspace_size)
-    compiled.graph.execute(buffers, ws, handle=handle, tensor_uids=compiled.uids)
+    fast = compiled.fast
+    if fast is not None:
+        lowered, order, index = fast
+        ptrs = (ctypes.c_int64 * len(order))(*[bind[s].data_ptr() for s in order])
+        lowered._execute_with_raw_ptrs(ctypes.addressof(ptrs), len(order), ws.data_ptr(), handle.backend_handle, index)
+        return
+    compiled.graph.execute([bind[s] for s in compiled.slots], ws, handle=handle, tensor_uids=compiled.uids)

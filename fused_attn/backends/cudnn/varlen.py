@@ -1,21 +1,28 @@
-"""THD (packed) batches: bucketing, ragged offsets, sequence lengths and the LSE gather.
+"""THD (packed) batches: bucketing, and the per-call device tensors a ragged graph binds.
 
 A packed batch of B sequences runs on a graph built for (B_bucket, H, S_bucket, D):
 B_bucket = next power of two >= B (extra sequences have length 0 and repeat the last offset),
 S_bucket = next power of two >= max_seqlen, at least 64. So a training run with random lengths
 builds a handful of graphs (the graph key never holds the token count or the exact max_seqlen).
-Everything here is device-side torch ops: no host sync.
+
+Per call (`prepare`), from cu_seqlens and the padded offsets, in a few device ops and no host
+sync: seq_q / seq_kv (B_bucket, 1, 1, 1) int32 lengths and the ragged element offsets
+(B_bucket + 1, 1, 1, 1) int32 = token offset * (heads * head dim) for each multiplier the graph
+uses, plus the value checks as one asynchronous device assertion. Memoized per
+(tensor, version) so a step's backward reuses its forward's tensors.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Dict, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "prepare", "gather_lse", "MIN_SEQ_BUCKET"]
+from ...memo import BoundedMemo
+
+__all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "gather_lse", "check_offset_range",
+           "MIN_SEQ_BUCKET"]
 
 MIN_SEQ_BUCKET = 64
 _INT32_MAX = 2**31 - 1
@@ -36,52 +43,44 @@ def bucket_seqlen(max_seqlen: int) -> int:
 
 
 @dataclass
-class ThdBatch:
-    """Device tensors and bucket sizes of one packed batch.
-
-    seq_q / seq_kv: (B_bucket, 1, 1, 1) int32 lengths (0 for padding sequences);
-    tok_q / tok_kv: (B_bucket + 1,) int32 token offsets; batch: the real B.
-    """
+class ThdLayout:
+    """Per-plan constants of the prep: the real batch, its bucket, the offset multipliers of
+    the q side and kv side (heads * head dim of q/o and k/v), the gather index extending
+    (B+1,) offsets to (B_bucket+1,), and whether q and kv share one cu_seqlens tensor."""
 
     batch: int
     batch_bucket: int
-    sq_bucket: int
-    skv_bucket: int
+    q_mults: Tuple[int, ...]
+    kv_mults: Tuple[int, ...]
+    device: torch.device
+    _index: Optional[torch.Tensor] = None
+    _mult_tensors: Optional[Dict[str, torch.Tensor]] = None
+
+    def index(self) -> Optional[torch.Tensor]:
+        if self.batch_bucket == self.batch:
+            return None
+        if self._index is None:
+            self._index = torch.arange(self.batch_bucket + 1, device=self.device).clamp_(max=self.batch)
+        return self._index
+
+    def mults(self, side: str) -> torch.Tensor:
+        if self._mult_tensors is None:
+            self._mult_tensors = {
+                s: torch.tensor(m, dtype=torch.int32, device=self.device).view(-1, 1)
+                for s, m in (("q", self.q_mults), ("kv", self.kv_mults))}
+        return self._mult_tensors[side]
+
+
+@dataclass
+class ThdBatch:
+    """Device tensors of one packed batch: seq_q / seq_kv (B_bucket, 1, 1, 1) int32 lengths
+    (0 for bucket padding), tok_q (B_bucket+1,) int32 token offsets of the queries, and the
+    ragged element offsets by (side, multiplier)."""
+
     seq_q: torch.Tensor
     seq_kv: torch.Tensor
     tok_q: torch.Tensor
-    tok_kv: torch.Tensor
-
-    _offsets: Dict[Tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def offsets(self, side: str, multiplier: int) -> torch.Tensor:
-        """(B_bucket + 1, 1, 1, 1) int32 element offsets: token offset * multiplier (cached)."""
-        got = self._offsets.get((side, multiplier))
-        if got is None:
-            tok = self.tok_q if side == "q" else self.tok_kv
-            got = self._offsets[(side, multiplier)] = (tok * multiplier).view(-1, 1, 1, 1)
-        return got
-
-    def bindings(self, slot_multipliers: Dict[str, Tuple[str, int]]) -> Dict[str, torch.Tensor]:
-        """Buffers for the seq_len and ragged-offset slots of a graph."""
-        out = {"seq_q": self.seq_q, "seq_kv": self.seq_kv}
-        for slot, (side, mult) in slot_multipliers.items():
-            out[slot] = self.offsets(side, mult)
-        return out
-
-
-def _extend(t: torch.Tensor, n: int) -> torch.Tensor:
-    """(B+1,) offsets -> (n+1,) by repeating the last offset (zero-length sequences)."""
-    if t.numel() == n + 1:
-        return t
-    return torch.cat([t, t[-1:].expand(n + 1 - t.numel())])
-
-
-def _lengths(cu: torch.Tensor, n: int) -> torch.Tensor:
-    lens = (cu[1:] - cu[:-1]).to(torch.int32)
-    if lens.numel() < n:
-        lens = torch.cat([lens, lens.new_zeros(n - lens.numel())])
-    return lens.view(n, 1, 1, 1)
+    offsets: Dict[Tuple[str, int], torch.Tensor]
 
 
 def check_offset_range(name: str, tokens: int, heads: int, dim: int) -> None:
@@ -93,32 +92,25 @@ def check_offset_range(name: str, tokens: int, heads: int, dim: int) -> None:
         )
 
 
-_PREPARED: "OrderedDict[tuple, Tuple[tuple, ThdBatch]]" = OrderedDict()
-_PREPARED_MAX = 16
+_PREPARED = BoundedMemo(32, "cudnn.thd_prepare")
 
 
-def _identity(t) -> tuple:
+def _identity(t: Optional[torch.Tensor]) -> tuple:
     return (None, 0) if t is None else (id(t), t._version)
 
 
-def prepare(problem) -> ThdBatch:
-    """Bucket sizes, lengths and token offsets of a packed (thd) AttentionProblem.
-
-    Memoized on the identity and version counter of the cu_seqlens tensors (the entry holds
-    them, so an id cannot be reused while cached; an in-place edit bumps the version): the
-    backward of a step and repeated calls on the same batch reuse the device tensors instead of
-    relaunching a dozen small kernels.
-    """
-    sources = (problem.cu_seqlens_q, problem.cu_seqlens_kv, problem.cu_seqlens_q_padded, problem.cu_seqlens_kv_padded)
-    key = tuple(_identity(t) for t in sources) + (int(problem.max_seqlen_q), int(problem.max_seqlen_kv))
+def prepare(layout: ThdLayout, varlen, tokens: Tuple[int, int], limits: Tuple[int, int]) -> ThdBatch:
+    """The bound tensors of a packed call (see the module docstring); checks cu_seqlens values
+    with one asynchronous device assertion (start 0, non-decreasing, end at the token count,
+    padded slots hold their sequence, lengths <= max_seqlen). Memoized per (tensors, versions)."""
+    sources = (varlen.cu_seqlens_q, varlen.cu_seqlens_kv, varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded)
+    key = tuple(_identity(t) for t in sources) + (tokens, limits, layout.batch_bucket, layout.q_mults,
+                                                  layout.kv_mults)
     hit = _PREPARED.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], sources)):
-        _PREPARED.move_to_end(key)
         return hit[1]
-    thd = _prepare(problem)
-    _PREPARED[key] = (sources, thd)
-    if len(_PREPARED) > _PREPARED_MAX:
-        _PREPARED.popitem(last=False)
+    thd = _prepare(layout, *sources, tokens, limits)
+    _PREPARED.put(key, (sources, thd))
     return thd
 
 
@@ -127,27 +119,69 @@ def release_prepared() -> None:
     _PREPARED.clear()
 
 
-def _prepare(problem) -> ThdBatch:
-    batch = problem.cu_seqlens_q.numel() - 1
-    bb = bucket_batch(batch)
-    tok_q = problem.cu_seqlens_q_padded if problem.cu_seqlens_q_padded is not None else problem.cu_seqlens_q
-    tok_kv = problem.cu_seqlens_kv_padded if problem.cu_seqlens_kv_padded is not None else problem.cu_seqlens_kv
-    return ThdBatch(
-        batch=batch, batch_bucket=bb,
-        sq_bucket=bucket_seqlen(int(problem.max_seqlen_q)), skv_bucket=bucket_seqlen(int(problem.max_seqlen_kv)),
-        seq_q=_lengths(problem.cu_seqlens_q, bb), seq_kv=_lengths(problem.cu_seqlens_kv, bb),
-        tok_q=_extend(tok_q.to(torch.int32), bb), tok_kv=_extend(tok_kv.to(torch.int32), bb),
-    )
+def _prepare(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> ThdBatch:
+    # Rows: lengths sources first, token-offset sources after (deduplicated by identity).
+    rows = [cu_q] if cu_kv is cu_q else [cu_q, cu_kv]
+    tok_rows = []
+    for t in (pad_q, pad_kv):
+        if t is not None:
+            tok_rows.append(t)
+    stacked = rows[0].unsqueeze(0) if len(rows) + len(tok_rows) == 1 else torch.stack(rows + tok_rows)
+    idx = layout.index()
+    ext = stacked if idx is None else stacked.index_select(1, idx)
+    lens = ext[:, 1:] - ext[:, :-1]
+    n = len(rows)
+    seq_q = lens[0].view(-1, 1, 1, 1)
+    seq_kv = seq_q if n == 1 else lens[1].view(-1, 1, 1, 1)
+    tok_q = ext[n] if pad_q is not None else ext[0]
+    tok_kv = ext[n + (pad_q is not None)] if pad_kv is not None else ext[n - 1]
+    offsets: Dict[Tuple[str, int], torch.Tensor] = {}
+    shared_tokens = n == 1 and pad_q is None and pad_kv is None
+    for side, tok, mults in (("q", tok_q, layout.q_mults), ("kv", tok_kv, layout.kv_mults)):
+        if side == "kv" and shared_tokens and layout.kv_mults == layout.q_mults:
+            offsets.update({("kv", m): offsets[("q", m)] for m in mults})
+            continue
+        prod = tok.unsqueeze(0) * layout.mults(side)
+        for i, m in enumerate(mults):
+            offsets[(side, m)] = prod[i].view(-1, 1, 1, 1)
+    _assert_valid(ext, lens, n, pad_q is not None, pad_kv is not None, tokens, limits)
+    return ThdBatch(seq_q, seq_kv, tok_q, offsets)
+
+
+def _assert_valid(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool, has_pad_kv: bool,
+                  tokens: Tuple[int, int], limits: Tuple[int, int]) -> None:
+    """One asynchronous device assertion over every value check (no host sync)."""
+    ok = (ext[:, 0] == 0).all() & (lens >= 0).all() & (lens[0].max() <= limits[0]) & (lens[n - 1].max() <= limits[1])
+    end_q = ext[n] if has_pad_q else ext[0]
+    end_kv = ext[n + has_pad_q] if has_pad_kv else ext[n - 1]
+    ok = ok & (end_q[-1] == tokens[0]) & (end_kv[-1] == tokens[1])
+    if has_pad_q:
+        ok = ok & (lens[n] >= lens[0]).all()
+    if has_pad_kv:
+        ok = ok & (lens[n + has_pad_q] >= lens[n - 1]).all()
+    torch._assert_async(ok, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the "
+                            "token count, give lengths <= max_seqlen, and padded offsets must hold each sequence")
 
 
 def gather_lse(stats: torch.Tensor, thd: ThdBatch, total_tokens: int) -> torch.Tensor:
     """Packed LSE (H, Tq) fp32 from padded Stats (B_bucket, H, S_bucket, 1); -inf off real tokens."""
     tok = thd.tok_q.to(torch.int64)
+    bb = stats.shape[0]
     t = torch.arange(total_tokens, device=stats.device)
-    b = torch.searchsorted(tok[1:], t, right=True).clamp_(max=thd.batch_bucket - 1)
+    b = torch.searchsorted(tok[1:], t, right=True).clamp_(max=bb - 1)
     i = t - tok[b]
     valid = (i >= 0) & (i < thd.seq_q.view(-1).to(torch.int64)[b])
     i = i.clamp(0, stats.shape[2] - 1)
     lse = stats[b, :, i, 0]  # (Tq, H)
     lse = lse.masked_fill(~valid[:, None], float("-inf"))
     return lse.t().contiguous()
+
+
+def token_rows_of_empty_kv(thd: ThdBatch, total_tokens: int) -> torch.Tensor:
+    """(Tq,) bool: query tokens of sequences that have no key (kv length 0), device-side."""
+    lens_q = thd.seq_q.view(-1)
+    empty = (thd.seq_kv.view(-1) == 0) & (lens_q > 0)
+    starts = thd.tok_q[:-1].to(torch.int64)
+    t = torch.arange(total_tokens, device=lens_q.device)
+    b = torch.searchsorted(thd.tok_q[1:].to(torch.int64), t, right=True).clamp_(max=lens_q.numel() - 1)
+    return empty[b] & (t - starts[b] < lens_q[b].to(torch.int64))

@@ -1,0 +1,87 @@
+"""Pieces shared by the dense and thd cuDNN runners: graphs of a plan, operand descriptions,
+input copies for layouts cuDNN cannot take, grad_out layout, sink logits."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from ...cache import GRAPH_CACHE, GraphKey
+from . import runtime
+from .graphs import CompiledGraph, build
+
+__all__ = ["Graphs", "operand_description", "check_runtime_tensors", "grad_output", "sinks_view"]
+
+
+def operand_description(operands: Dict[str, torch.Tensor]) -> tuple:
+    """Structural description of graph operands for keys: names, shapes, strides, dtypes and
+    which are CPU (pass-by-value); never values or ids."""
+    return tuple(sorted((name, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type == "cpu")
+                        for name, t in operands.items() if name != "attn_scale"))
+
+
+class Graphs:
+    """The forward (and backward) graph keys of a plan; graphs live in the bounded GraphCache
+    (looked up per call, so evicting a graph really frees it) and are rebuilt on a miss."""
+
+    def __init__(self, fwd: GraphKey, bwd: Optional[GraphKey], lowering_mod: Any,
+                 operand_templates: Dict[str, torch.Tensor], device_index: int) -> None:
+        self.keys = {"fwd": fwd, "bwd": bwd}
+        self.mod = lowering_mod
+        self.templates = {n[3:]: t for n, t in operand_templates.items() if n.startswith("sm:")}
+        self.device_index = device_index
+
+    def _builder(self, key: GraphKey) -> Callable[[], CompiledGraph]:
+        def make() -> CompiledGraph:
+            with torch.cuda.device(key.device_index):
+                return build(key, self.mod, self.templates, runtime.handle_for(key.device_index))
+
+        return make
+
+    def get(self, direction: str) -> CompiledGraph:
+        key = self.keys[direction]
+        if key is None:
+            raise RuntimeError("this call plan was made without gradients; no backward graph")  # pragma: no cover
+        return GRAPH_CACHE.get_or_build(key, self._builder(key))
+
+    def build_all(self) -> None:
+        """Build (or find) every graph of the plan now: a graph cuDNN declines refuses the plan."""
+        from ...plan import Refusal
+
+        for direction, key in self.keys.items():
+            if key is None:
+                continue
+            try:
+                self.get(direction)
+            except NotImplementedError as exc:
+                raise Refusal(str(exc)) from None
+
+    def run(self, direction: str, bind: Dict[str, Any]) -> None:
+        runtime.execute(self.get(direction), bind, self.device_index)
+
+
+def check_runtime_tensors(fmt: str, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Fresh contiguous (format-order), 16-byte aligned copies: for the layouts cuDNN cannot take
+    directly (a last dim with stride != 1, strides that are not multiples of 8 elements, a
+    storage offset that breaks 16-byte alignment). The plan decides this once; see the runners."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t) for t in tensors)
+
+
+def grad_output(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """grad_out in the output's strides (cuDNN's dO shares O's layout); a copy only if needed."""
+    if grad_out.stride() == out.stride() and grad_out.data_ptr() % 16 == 0:
+        return grad_out
+    return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device).copy_(grad_out)
+
+
+def sinks_view(problem: Any) -> Optional[Callable[[Optional[torch.Tensor]], torch.Tensor]]:
+    """None without sinks; else a function giving this call's (1, H, 1, 1) fp32 sink logits
+    (zeros for softmax_type="off-by-one", the given (H,) tensor for "learnable")."""
+    if not problem.spec.has_sinks:
+        return None
+    h = problem.heads
+    if problem.spec.softmax_type == "off-by-one":
+        zeros = torch.zeros((1, h, 1, 1), dtype=torch.float32, device=problem.device)
+        return lambda _sinks: zeros
+    return lambda sinks: sinks.detach().to(torch.float32).contiguous().view(1, h, 1, 1)

@@ -1,0 +1,208 @@
+"""The cuDNN runner for dense (bshd / sbhd / bhsd) call plans.
+
+Decided once per plan: the logical (B, H, S, D) strides of the caller's layout (no permutes on
+the hot path: the graph takes the caller's pointers with those strides), the output and gradient
+layouts, the lowering (masks, score_mod, bias, sinks), the graph keys. Per call: allocate the
+output and Stats, bind pointers, execute.
+
+Shapes: q (B, H, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) logically; out in the query's
+format with Dv (contiguous); Stats fp32 (B, H, Sq, 1) = the log-sum-exp; lse = Stats viewed
+(B, H, Sq).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ...cache import GraphKey
+from . import lowering as L
+from .common import Graphs, check_runtime_tensors, grad_output, operand_description, sinks_view
+from .graphs import dense_strides_like
+
+__all__ = ["DenseRunner"]
+
+_PERM = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
+_INV = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3), "bhsd": (0, 1, 2, 3)}
+
+
+def _format_shape(fmt: str, dims: Tuple[int, int, int, int]) -> Tuple[int, ...]:
+    return tuple(dims[i] for i in _INV[fmt])
+
+
+def _logical_strides(fmt: str, strides: Tuple[int, ...]) -> Tuple[int, ...]:
+    return tuple(strides[i] for i in _PERM[fmt])
+
+
+def normalized(dims: Tuple[int, ...], strides: Tuple[int, ...]) -> Tuple[int, ...]:
+    """Strides with those of size-1 dims replaced by their dense value (they address nothing),
+    so layouts that differ only there share one graph."""
+    dense = dense_strides_like(dims, strides)
+    return tuple(d_s if n == 1 else s for n, s, d_s in zip(dims, strides, dense))
+
+
+class DenseRunner:
+    """forward/backward of one dense plan on cuDNN."""
+
+    backend = "cudnn"
+
+    def __init__(self, problem: Any, version: int) -> None:
+        self.static = p = problem
+        spec = p.spec
+        self.fmt = spec.qkv_format
+        b, h, hkv, sq, skv, d, dv = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_kv, p.head_dim, p.head_dim_v
+        self.dims = ((b, h, sq, d), (b, hkv, skv, d), (b, hkv, skv, dv))
+        self.out_shape = _format_shape(self.fmt, (b, h, sq, dv))
+        fmt_out_strides = _contiguous_strides(self.out_shape)
+        o_strides = normalized((b, h, sq, dv), _logical_strides(self.fmt, fmt_out_strides))
+        self.stats_shape = (b, h, sq, 1)
+        self.lse_shape = (b, h, sq)
+        self.device = p.device
+        self.dev = p.device.index if p.device.index is not None else torch.cuda.current_device()
+        self.lowering = L.plan_lowering(spec, spec.score_mod, sq, skv, has_lengths=spec.padding)
+        self.has_mod = self.lowering.graph_mod is not None
+        self.padding = spec.padding
+        in_strides = tuple(normalized(dm, st) for dm, st in zip(self.dims, (p.q_strides, p.k_strides, p.v_strides)))
+        self.copy_inputs = not p.aligned or any(st[3] != 1 or any(x % 8 for x in st[:3]) for st in in_strides)
+        if self.copy_inputs:  # served from aligned, contiguous copies (see check_runtime_tensors)
+            in_strides = tuple(normalized(dm, _logical_strides(self.fmt, _contiguous_strides(_format_shape(self.fmt, dm))))
+                               for dm in self.dims)
+        self.grad_strides = tuple(_logical_to_format(self.fmt, dense_strides_like(dm, st))
+                                  for dm, st in zip(self.dims, in_strides))
+        self.scale = torch.full((1, 1, 1, 1), p.scale, dtype=torch.float32)
+        self.sinks = sinks_view(p)
+        operands = self._operands(spec.score_mod)
+        bias = L.bias_tensor(self.lowering, spec.score_mod) if self.lowering.bias_param else None
+        bias_desc = None
+        if bias is not None:
+            bias_desc = (tuple(bias.shape), normalized(tuple(bias.shape), tuple(bias.stride())),
+                         str(bias.dtype).replace("torch.", ""), p.needs_grad and bias.requires_grad)
+        self.bias_grad = bias_desc is not None and bias_desc[3]
+        common = dict(dtype=str(p.dtype).replace("torch.", ""), q_dims=self.dims[0], k_dims=self.dims[1],
+                      v_dims=self.dims[2], q_strides=in_strides[0], k_strides=in_strides[1],
+                      v_strides=in_strides[2], o_strides=o_strides, scale=None, band=self.lowering.band,
+                      padding=self.padding and not self.has_mod, ragged=False,
+                      score_mod=None if not self.has_mod else self.lowering.graph_mod.cache_key,
+                      operands=operand_description(operands), device_index=self.dev, backend_version=version,
+                      bias=bias_desc, sinks=self.sinks is not None)
+        fwd_key = GraphKey(direction="fwd", deterministic=False, **common)
+        bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
+        self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev)
+        self.graphs.build_all()
+
+    # ------------------------------------------------------------------ per call
+
+    def _operands(self, mod: Any) -> Dict[str, torch.Tensor]:
+        ops = L.mod_operands(self.lowering, mod, self.dims[0][2], self.dims[1][2], has_lengths=self.padding)
+        ops = {f"sm:{k}": t for k, t in ops.items()}
+        ops["attn_scale"] = self.scale
+        return ops
+
+    def grad_inputs(self, mod: Any, sinks: Optional[torch.Tensor]) -> tuple:
+        out = []
+        if self.lowering.bias_param is not None:
+            out.append(L.bias_tensor(self.lowering, mod))
+        if sinks is not None:
+            out.append(sinks)
+        return tuple(out)
+
+    def _lengths(self, varlen: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        b = self.dims[0][0]
+        cu_q, cu_kv = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
+        seq_q = (cu_q[1:] - cu_q[:-1]).view(b, 1, 1, 1)
+        seq_kv = seq_q if cu_kv is cu_q else (cu_kv[1:] - cu_kv[:-1]).view(b, 1, 1, 1)
+        return seq_q, seq_kv
+
+    def _bind(self, q, k, v, varlen, mod, sinks):
+        """(q, k, v as bound, the input bindings, lengths, bias) of a call."""
+        if self.copy_inputs:
+            q, k, v = check_runtime_tensors(self.fmt, q, k, v)
+        bind = self._operands(mod) if self.has_mod else {"attn_scale": self.scale}
+        bind.update(q=q, k=k, v=v)
+        seqs = None
+        if self.padding:
+            seqs = self._lengths(varlen)
+            bind["seq_q"], bind["seq_kv"] = seqs
+        bias = None
+        if self.lowering.bias_param is not None:
+            bias = bind["bias"] = L.bias_tensor(self.lowering, mod)
+        if self.sinks is not None:
+            bind["sink"] = self.sinks(sinks)
+        return (q, k, v), bind, seqs, bias
+
+    def forward(self, q, k, v, varlen, mod, sinks):
+        (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks)
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
+        bind["o"], bind["stats"] = out, stats
+        self.graphs.run("fwd", bind)
+        if self.padding:
+            self._clear_rows(out, stats, seqs)
+        lse = stats.view(self.lse_shape) if self.static.spec.return_lse else None
+        saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
+        return out, lse, saved, (bind, seqs, bias is not None, sinks is not None)
+
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
+        """The backward from the call's arguments (the custom-op path, which keeps no state)."""
+        (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks)
+        saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
+        return self.backward((bind, seqs, bias is not None, sinks is not None), saved, grad_out)
+
+    def _clear_rows(self, out: torch.Tensor, stats: torch.Tensor, seqs) -> None:
+        """Padded batches: rows past a query length are 0 with lse -inf (cuDNN's padding mask
+        does this itself, a score_mod does not), and so are the rows of a sequence with no key."""
+        seq_q, seq_kv = seqs
+        o = out.permute(_PERM[self.fmt])
+        if self.has_mod:
+            past = torch.arange(o.shape[2], device=o.device).view(1, 1, -1, 1) >= seq_q
+            o.masked_fill_(past, 0.0)
+            stats.masked_fill_(past, float("-inf"))
+        if seq_kv is not seq_q:
+            empty = seq_kv == 0
+            o.masked_fill_(empty, 0.0)
+            stats.masked_fill_(empty, float("-inf"))
+
+    def backward(self, state, saved, grad_out):
+        bind_fwd, seqs, has_bias, has_sinks = state
+        q, k, v, out, stats = saved[:5]
+        extra = list(saved[5:])
+        d_o = grad_output(grad_out, out)
+        grads = [torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
+                 for t, st in zip((q, k, v), self.grad_strides)]
+        if self.padding:  # rows past a length get no gradient, whatever the kernel leaves there
+            for g in grads:
+                g.zero_()
+        bind = {n: t for n, t in bind_fwd.items() if n not in ("o", "stats")}
+        bind.update(o=out, dO=d_o, stats=stats, dQ=grads[0], dK=grads[1], dV=grads[2])
+        extra_grads = []
+        if has_bias:
+            bias = extra.pop(0)
+            if self.bias_grad:
+                d_bias = bind["dBias"] = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+                extra_grads.append(d_bias)
+            else:
+                extra_grads.append(None)
+        if has_sinks:
+            d_sink = bind["dSink"] = torch.empty((1, self.dims[0][1], 1, 1), dtype=torch.float32, device=q.device)
+            extra_grads.append(d_sink.view(-1).to(extra.pop(0).dtype))
+        self.graphs.run("bwd", bind)
+        if self.padding and self.has_mod:
+            seq_q, seq_kv = seqs
+            for g, lens in zip(grads, (seq_q, seq_kv, seq_kv)):
+                gl = g.permute(_PERM[self.fmt])
+                gl.masked_fill_(torch.arange(gl.shape[2], device=g.device).view(1, 1, -1, 1) >= lens, 0.0)
+        return tuple(grads) + tuple(extra_grads)
+
+
+def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    out, step = [0] * len(shape), 1
+    for i in reversed(range(len(shape))):
+        out[i] = step
+        step *= max(shape[i], 1)
+    return tuple(out)
+
+
+def _logical_to_format(fmt: str, logical_strides: Tuple[int, ...]) -> Tuple[int, ...]:
+    """Strides of the format tensor whose logical (B, H, S, D) view has `logical_strides`."""
+    return tuple(logical_strides[i] for i in _INV[fmt])

@@ -1,0 +1,128 @@
+"""The cuDNN runner for packed (thd) call plans.
+
+q (Tq, H, D), k (Tkv, Hkv, D), v (Tkv, Hkv, Dv) run on a ragged graph of logical dims
+(B_bucket, H, S_bucket, D) with strides (S_bucket*H*D, D, H*D, 1) and element offsets per
+sequence; the token count never enters the plan or the graph key. Stats is the padded
+(B_bucket, H, S_bucket, 1) fp32 log-sum-exp the backward reads as is; lse (H, Tq) is gathered
+from it only when asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from ...cache import GraphKey
+from . import lowering as L
+from . import varlen as VL
+from .common import Graphs, check_runtime_tensors, grad_output, operand_description, sinks_view
+from .graphs import thd_strides
+
+__all__ = ["ThdRunner"]
+
+
+class ThdRunner:
+    """forward/backward of one packed plan on cuDNN."""
+
+    backend = "cudnn"
+    validates_lengths = True  # prepare() checks cu_seqlens values (one device assertion)
+
+    def __init__(self, problem: Any, version: int) -> None:
+        self.static = p = problem
+        spec = p.spec
+        bb = VL.bucket_batch(p.batch)
+        sq, skv = p.seqlen_q, p.seqlen_kv
+        if spec.band is not None and spec.band.bottom_right:
+            sq = skv = max(sq, skv)  # cuDNN's bottom-right band refuses max_s_q > max_s_kv
+        h, hkv, d, dv = p.heads, p.kv_heads, p.head_dim, p.head_dim_v
+        self.dims = ((bb, h, sq, d), (bb, hkv, skv, d), (bb, hkv, skv, dv))
+        self.stats_shape = (bb, h, sq, 1)
+        self.heads, self.head_dim_v = h, dv
+        self.dev = p.device.index if p.device.index is not None else torch.cuda.current_device()
+        self.layout = VL.ThdLayout(p.batch, bb, tuple(sorted({h * d, h * dv})), tuple(sorted({hkv * d, hkv * dv})),
+                                   p.device)
+        self.lowering = L.plan_lowering(spec, spec.score_mod, sq, skv, has_lengths=True)
+        self.has_mod = self.lowering.graph_mod is not None
+        self.gaps_q, self.gaps = p.q_offsets, p.q_offsets or p.kv_offsets
+        self.copy_inputs = not p.aligned or any(
+            st != (n * dd, dd, 1) for st, n, dd in ((p.q_strides, h, d), (p.k_strides, hkv, d), (p.v_strides, hkv, dv)))
+        self.scale = torch.full((1, 1, 1, 1), p.scale, dtype=torch.float32)
+        self.sinks = sinks_view(p)
+        operands = self._operands(spec.score_mod)
+        strides = tuple(thd_strides(dm) for dm in self.dims)
+        common = dict(dtype=str(p.dtype).replace("torch.", ""), q_dims=self.dims[0], k_dims=self.dims[1],
+                      v_dims=self.dims[2], q_strides=strides[0], k_strides=strides[1], v_strides=strides[2],
+                      o_strides=thd_strides(self.dims[0][:3] + (dv,)), scale=None, band=self.lowering.band,
+                      padding=False, ragged=True,
+                      score_mod=None if not self.has_mod else self.lowering.graph_mod.cache_key,
+                      operands=operand_description(operands), device_index=self.dev, backend_version=version,
+                      bias=None, sinks=self.sinks is not None)
+        fwd_key = GraphKey(direction="fwd", deterministic=False, **common)
+        bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
+        self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev)
+        self.graphs.build_all()
+
+    def _operands(self, mod: Any) -> Dict[str, torch.Tensor]:
+        ops = L.mod_operands(self.lowering, mod, self.dims[0][2], self.dims[1][2], has_lengths=True)
+        ops = {f"sm:{k}": t for k, t in ops.items()}
+        ops["attn_scale"] = self.scale
+        return ops
+
+    def grad_inputs(self, mod: Any, sinks: Optional[torch.Tensor]) -> tuple:
+        return () if sinks is None else (sinks,)
+
+    def _bind_lengths(self, bind: Dict[str, Any], thd: VL.ThdBatch) -> None:
+        bind["seq_q"], bind["seq_kv"] = thd.seq_q, thd.seq_kv
+        for (side, mult), t in thd.offsets.items():
+            bind[f"roff_{side}_{mult}"] = t
+
+    def _bind(self, q, k, v, varlen, mod, sinks):
+        """(q, k, v as bound, the input bindings, the prepared batch) of a call."""
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            VL.check_offset_range(name, t.shape[0], t.shape[1], t.shape[2])
+        if self.copy_inputs:
+            q, k, v = check_runtime_tensors("thd", q, k, v)
+        thd = VL.prepare(self.layout, varlen, (q.shape[0], k.shape[0]), (varlen.max_seqlen_q, varlen.max_seqlen_kv))
+        bind = self._operands(mod) if self.has_mod else {"attn_scale": self.scale}
+        bind.update(q=q, k=k, v=v)
+        self._bind_lengths(bind, thd)
+        if self.sinks is not None:
+            bind["sink"] = self.sinks(sinks)
+        return (q, k, v), bind, thd
+
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
+        """The backward from the call's arguments (the custom-op path, which keeps no state)."""
+        (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks)
+        saved = (q, k, v, out, stats) + (() if sinks is None else (sinks,))
+        return self.backward((bind, thd, sinks is not None), saved, grad_out)
+
+    def forward(self, q, k, v, varlen, mod, sinks):
+        (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks)
+        alloc = torch.zeros if self.gaps_q else torch.empty  # tokens between sequences stay 0
+        out = alloc((q.shape[0], self.heads, self.head_dim_v), dtype=q.dtype, device=q.device)
+        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
+        bind["o"], bind["stats"] = out, stats
+        self.graphs.run("fwd", bind)
+        if not self.static.same_lengths:
+            # sequences with queries but no key: out rows 0 and lse -inf (the reference's answer)
+            stats.masked_fill_(thd.seq_kv == 0, float("-inf"))
+            out.masked_fill_(VL.token_rows_of_empty_kv(thd, q.shape[0]).view(-1, 1, 1), 0.0)
+        lse = VL.gather_lse(stats, thd, q.shape[0]) if self.static.spec.return_lse else None
+        saved = (q, k, v, out, stats) + (() if sinks is None else (sinks,))
+        return out, lse, saved, (bind, thd, sinks is not None)
+
+    def backward(self, state, saved, grad_out):
+        bind_fwd, thd, has_sinks = state
+        q, k, v, out, stats = saved[:5]
+        d_o = grad_output(grad_out, out)
+        alloc = torch.zeros if self.gaps else torch.empty
+        grads = [alloc(tuple(t.shape), dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        bind = {n: t for n, t in bind_fwd.items() if n not in ("o", "stats")}
+        bind.update(o=out, dO=d_o, stats=stats, dQ=grads[0], dK=grads[1], dV=grads[2])
+        extra = []
+        if has_sinks:
+            d_sink = bind["dSink"] = torch.empty((1, self.heads, 1, 1), dtype=torch.float32, device=q.device)
+            extra.append(d_sink.view(-1).to(saved[5].dtype))
+        self.graphs.run("bwd", bind)
+        return tuple(grads) + tuple(extra)

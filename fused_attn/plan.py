@@ -1,0 +1,313 @@
+"""Call plans: everything a call needs, decided once per (spec, tensor signature).
+
+    plan = get_plan(spec, mod, q, k, v, varlen)   # a dict lookup on a cache hit
+    out, lse = plan.run(q, k, v, varlen, mod)       # allocate, bind, execute
+
+A *signature* is what changes the plan: shapes (for thd: everything but the token count),
+strides, dtypes, devices, whether gradients are needed, pointer alignment, the cu_seqlens
+tensors' shapes, the max_seqlen buckets, the score_mod's tensor parameters' descriptions and the
+sinks tensor's. A *plan* holds the validated `StaticProblem`, the chosen backend and the reason,
+and that backend's runner (graphs, slot order, allocation recipes). A cache hit validates
+nothing: the checks that depend on the signature ran when the plan was made; the only per-call
+checks are the ones that need values (cu_seqlens: an asynchronous device assertion; max_seqlen:
+host ints).
+
+`auto` never runs the reference for CUDA tensors silently: the plan records why cuDNN declined,
+`fused_attn.explain(...)` returns it, and making such a plan warns once (`FallbackWarning`).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import validation as V
+from .layouts import logical_shape
+from .spec import AttentionSpec
+
+__all__ = ["Varlen", "StaticProblem", "CallPlan", "get_plan", "plan_info", "clear_plans", "FallbackWarning",
+           "Refusal", "Explanation", "NO_VARLEN"]
+
+
+class FallbackWarning(UserWarning):
+    """`backend="auto"` runs CUDA tensors on the reference backend (with the reason)."""
+
+
+class Refusal(Exception):
+    """A backend cannot run a problem; the message is the reason."""
+
+
+class Varlen(NamedTuple):
+    """Per-call length arguments (all None for plain dense calls)."""
+
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_kv: Optional[torch.Tensor] = None
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_kv: Optional[int] = None
+
+
+NO_VARLEN = Varlen()
+
+
+class Explanation(NamedTuple):
+    """What `explain` reports: the backend a call runs on and why."""
+
+    backend: str
+    reason: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class StaticProblem:
+    """A call's spec and the facts of its tensors that its plan depends on.
+
+    Logical dims: B (sequences), H / Hkv heads, D / Dv head dims. Dense: seqlen_q / seqlen_kv are
+    Sq / Skv and q/k/v_strides the logical (B, H, S, D) strides of the caller's tensors. thd:
+    seqlen_q / seqlen_kv are the max_seqlen buckets (None when max_seqlen is not given: derived
+    per call) and the strides those of the packed (T, H, D) tensors. mod_tensors: (name, shape,
+    stride, dtype, device, requires_grad) of the score_mod's tensor parameters. sinks: (H,) fp32
+    learnable sink logits given (softmax_type="learnable").
+    """
+
+    spec: AttentionSpec
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: Optional[int]
+    seqlen_kv: Optional[int]
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    device: torch.device
+    q_strides: Tuple[int, ...]
+    k_strides: Tuple[int, ...]
+    v_strides: Tuple[int, ...]
+    scale: float
+    needs_grad: bool
+    aligned: bool
+    same_lengths: bool
+    q_offsets: bool
+    kv_offsets: bool
+    mod_tensors: tuple
+    sinks: bool
+
+    @property
+    def is_packed(self) -> bool:
+        return self.spec.is_packed
+
+    @property
+    def has_lengths(self) -> bool:
+        return self.spec.is_packed or self.spec.padding
+
+    def describe(self) -> str:
+        shape = (f"B={self.batch} H={self.heads} Hkv={self.kv_heads} Sq={self.seqlen_q} Skv={self.seqlen_kv} "
+                 f"D={self.head_dim} Dv={self.head_dim_v}")
+        return f"{self.spec.describe()}; {shape} {str(self.dtype).replace('torch.', '')} on {self.device}"
+
+
+class CallPlan:
+    """The decided plan of one (spec, signature): backend, reason and runner."""
+
+    __slots__ = ("problem", "backend", "reason", "runner")
+
+    def __init__(self, problem: StaticProblem, backend: str, reason: str, runner: Any) -> None:
+        self.problem, self.backend, self.reason, self.runner = problem, backend, reason, runner
+
+    def __repr__(self) -> str:
+        return f"<CallPlan {self.backend}: {self.problem.describe()}>"
+
+
+# ----------------------------------------------------------------------------- signatures
+
+
+def _tensor_sig(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _mod_sig(mod: Any) -> tuple:
+    if mod is None:
+        return ()
+    tensors = mod.tensors()
+    if not tensors:
+        return ()
+    return tuple((name, t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for name, t in tensors.items())
+
+
+def bucket(n: Optional[int]) -> Optional[int]:
+    """The graph size serving max_seqlen n: the next power of two, at least 64 (None stays None)."""
+    if n is None:
+        return None
+    return 64 if n <= 64 else 1 << (n - 1).bit_length()
+
+
+def signature(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen, mod: Any,
+              sinks: Optional[torch.Tensor]) -> tuple:
+    """The plan-cache key of a call (raises AttributeError/TypeError on non-tensors: the slow
+    path then validates and names the bad argument)."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
+    align = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+    msig = _mod_sig(mod)
+    if msig and not grad and torch.is_grad_enabled():
+        grad = any(s[-1] for s in msig)
+    if spec.qkv_format == "thd":
+        cu_q, cu_kv = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
+        shapes = (q.shape[1:], q.stride(), k.shape[1:], k.stride(), v.shape[1:], v.stride())
+        lens = (cu_q.shape, cu_q.dtype, cu_q.device, cu_kv.shape, cu_kv.dtype, cu_kv.device, cu_q is cu_kv,
+                None if varlen.cu_seqlens_q_padded is None else varlen.cu_seqlens_q_padded.shape,
+                None if varlen.cu_seqlens_kv_padded is None else varlen.cu_seqlens_kv_padded.shape,
+                _bucket_arg(varlen.max_seqlen_q), _bucket_arg(varlen.max_seqlen_kv))
+    else:
+        shapes = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride())
+        cu_q, cu_kv = varlen.cu_seqlens_q, varlen.cu_seqlens_kv
+        lens = None if cu_q is None and cu_kv is None else (
+            None if cu_q is None else (cu_q.shape, cu_q.dtype, cu_q.device),
+            None if cu_kv is None else (cu_kv.shape, cu_kv.dtype, cu_kv.device), cu_q is cu_kv,
+            varlen.cu_seqlens_q_padded is not None, varlen.cu_seqlens_kv_padded is not None,
+            varlen.max_seqlen_q, varlen.max_seqlen_kv)
+    return (spec, shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad, align == 0, lens, msig,
+            None if sinks is None else _tensor_sig(sinks))
+
+
+def _bucket_arg(n: Any) -> Any:
+    """Bucket of a max_seqlen argument; anything that is not a plain int is kept as is (the
+    slow path names it)."""
+    if type(n) is int and n >= 0:
+        return ("bucket", bucket(n))
+    return ("raw", n)
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+class _PlanCache:
+    """Bounded, thread-safe LRU of call plans (a hit is one dict lookup)."""
+
+    def __init__(self, maxsize: int = 512) -> None:
+        self.maxsize = maxsize
+        self._entries: "OrderedDict[tuple, CallPlan]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key: tuple) -> Optional[CallPlan]:
+        plan = self._entries.get(key)
+        if plan is not None:
+            self.hits += 1
+        return plan
+
+    def put(self, key: tuple, plan: CallPlan) -> CallPlan:
+        with self._lock:
+            self.misses += 1
+            self._entries[key] = plan
+            while len(self._entries) > self.maxsize:
+                self._entries.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+PLANS = _PlanCache()
+
+
+def clear_plans() -> None:
+    """Drop every call plan (the graph cache keeps its graphs)."""
+    PLANS.clear()
+
+
+def plan_info() -> dict:
+    """{"hits", "misses", "size", "maxsize"} of the call-plan cache."""
+    return {"hits": PLANS.hits, "misses": PLANS.misses, "size": len(PLANS), "maxsize": PLANS.maxsize}
+
+
+def get_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
+             sinks: Optional[torch.Tensor] = None) -> CallPlan:
+    """The plan for this call: cached by signature, made (validated, backend chosen) on a miss."""
+    try:
+        key = signature(spec, q, k, v, varlen, mod, sinks)
+    except (AttributeError, TypeError):
+        key = None
+    if key is not None:
+        plan = PLANS.get(key)
+        if plan is not None:
+            return plan
+    plan = _make_plan(spec, mod, q, k, v, varlen, sinks)
+    if key is not None:
+        PLANS.put(key, plan)
+    return plan
+
+
+# ----------------------------------------------------------------------------- making a plan
+
+
+def _static_problem(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
+                    sinks: Optional[torch.Tensor]) -> StaticProblem:
+    """Every signature-level check of `dot_product_attention`'s tensors (ValueError/TypeError)."""
+    fmt = spec.qkv_format
+    V.check_qkv(q, k, v, fmt)
+    packed = fmt == "thd"
+    structure = V.check_length_structure(fmt, spec.attn_mask_type, q, k, varlen)
+    ql, kl, vl = (logical_shape(t, fmt) for t in (q, k, v))
+    batch = varlen.cu_seqlens_q.numel() - 1 if packed else ql[0]
+    if packed:
+        sq, skv = bucket(structure.max_seqlen_q), bucket(structure.max_seqlen_kv)
+        strides = (tuple(q.stride()), tuple(k.stride()), tuple(v.stride()))
+    else:
+        sq, skv = ql[2], kl[2]
+        perm = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}[fmt]
+        strides = tuple(tuple(t.stride(i) for i in perm) for t in (q, k, v))
+    scale = V.check_scale(spec.softmax_scale, ql[3])
+    if mod is not None:
+        mod.check(device=q.device, batch=batch, heads=ql[1], seqlen_q=structure.check_q, seqlen_kv=structure.check_kv)
+    has_sinks = V.check_sinks(spec.softmax_type, sinks, ql[1], q.device)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
+    msig = _mod_sig(mod)
+    if msig and torch.is_grad_enabled() and any(s[-1] for s in msig):
+        grad = True
+    return StaticProblem(
+        spec=spec, batch=batch, heads=ql[1], kv_heads=kl[1], seqlen_q=sq, seqlen_kv=skv, head_dim=ql[3],
+        head_dim_v=vl[3], dtype=q.dtype, device=q.device, q_strides=strides[0], k_strides=strides[1],
+        v_strides=strides[2], scale=scale, needs_grad=grad,
+        aligned=((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0,
+        same_lengths=varlen.cu_seqlens_q is varlen.cu_seqlens_kv,
+        q_offsets=varlen.cu_seqlens_q_padded is not None, kv_offsets=varlen.cu_seqlens_kv_padded is not None,
+        mod_tensors=msig, sinks=has_sinks and sinks is not None)
+
+
+def _backends():
+    from .backends import registry
+
+    return registry
+
+
+def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
+               sinks: Optional[torch.Tensor]) -> CallPlan:
+    problem = _static_problem(spec, mod, q, k, v, varlen, sinks)
+    backend, reason, runner = _backends().choose(problem)
+    if backend == "reference" and problem.device.type == "cuda" and spec.backend == "auto":
+        warnings.warn(f"fused_attn: backend='auto' runs this call on the reference backend (PyTorch math, slow): "
+                      f"{reason}. Problem: {problem.describe()}. Pass backend='reference' to silence this, or see "
+                      "fused_attn.explain(...).", FallbackWarning, stacklevel=4)
+    return CallPlan(problem, backend, reason, runner)
+
+
+def explain_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
+                 sinks: Optional[torch.Tensor] = None) -> Explanation:
+    """Which backend runs this call and why (builds the plan if needed; runs nothing)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        plan = get_plan(spec, mod, q, k, v, varlen, sinks)
+    return Explanation(plan.backend, plan.reason, plan.problem.describe())

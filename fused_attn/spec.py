@@ -1,0 +1,189 @@
+"""The attention *spec*: everything about a call except its tensors, validated once.
+
+    spec, mod = resolve_spec(qkv_format="bshd", attn_mask_type="causal", score_mod=softcap(30.0))
+
+`AttentionSpec` is immutable and hashable. Its score_mod part is *structural*: two specs with
+score_mods of the same math (equal `cache_key`) are equal, whatever their float values or
+tensor contents, so one call plan serves both; the values travel with each call (`mod`, the
+second result of `resolve_spec`). `DotProductAttention` resolves its spec when it is built and
+again when a configuration attribute changes; the functional API goes through a small bounded
+memo keyed by its arguments (score_mod objects by identity, pinned alive by the memo entry so
+an identity is never reused while cached).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional, Tuple
+
+from . import validation as V
+from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS, Band
+
+__all__ = ["AttentionSpec", "resolve_spec", "SOFTMAX_TYPES", "clear_spec_memo"]
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+_PADDING_TWIN = {"padding": "no_mask", "padding_causal": "causal"}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The static configuration of an attention call.
+
+    band: the diagonal band (causal / window) resolved from attn_mask_type and window_size;
+    for thd the padding types equal their non-padding twins (thd always has lengths).
+    padding: dense padding mask (lengths from cu_seqlens_q/kv). softmax_scale: None means
+    1/sqrt(D) of the call's head dim. score_mod_key: the mod's structural key (None: no mod);
+    `score_mod` is one mod of that structure (a template for lowering; not compared).
+    softmax_type: "vanilla", "off-by-one" (a sink logit of 0 per head) or "learnable" (a
+    per-head sink logit tensor given per call). dropout_p: attention dropout probability.
+    """
+
+    qkv_format: str
+    attn_mask_type: str
+    band: Optional[Band]
+    padding: bool
+    softmax_scale: Optional[float]
+    score_mod_key: Hashable
+    return_lse: bool
+    deterministic: bool
+    backend: str
+    softmax_type: str = "vanilla"
+    dropout_p: float = 0.0
+    score_mod: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def is_packed(self) -> bool:
+        return self.qkv_format == "thd"
+
+    @property
+    def has_sinks(self) -> bool:
+        return self.softmax_type != "vanilla"
+
+    def describe(self) -> str:
+        """One line for errors and `explain`."""
+        parts = [f"qkv_format={self.qkv_format!r}", f"attn_mask_type={self.attn_mask_type!r}"]
+        if self.band is not None:
+            parts.append(f"band={self.band}")
+        if self.score_mod is not None:
+            parts.append(f"score_mod={getattr(self.score_mod, 'name', 'score_mod')!r}")
+        if self.softmax_type != "vanilla":
+            parts.append(f"softmax_type={self.softmax_type!r}")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p}")
+        if self.deterministic:
+            parts.append("deterministic=True")
+        parts.append(f"backend={self.backend!r}")
+        return ", ".join(parts)
+
+
+def check_dropout(dropout_p: Any) -> float:
+    """dropout_p: a float in [0, 1)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r} ({type(dropout_p).__name__})")
+    if not (0.0 <= float(dropout_p) < 1.0) or math.isnan(dropout_p):
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _resolve(qkv_format: Any, attn_mask_type: Any, window_size: Any, softmax_scale: Any, score_mod: Any,
+             score_mod_tensors: Any, score_mod_bprop: Any, score_mod_bprop_tensors: Any, return_lse: Any,
+             backend: Any, deterministic: Any, softmax_type: Any, dropout_p: Any) -> Tuple[AttentionSpec, Any]:
+    V.check_choice("qkv_format", qkv_format, QKV_FORMATS)
+    V.check_choice("attn_mask_type", attn_mask_type, MASK_TYPES)
+    V.check_choice("backend", backend, BACKENDS)
+    V.check_choice("softmax_type", softmax_type, SOFTMAX_TYPES)
+    V.check_bool("return_lse", return_lse)
+    V.check_bool("deterministic", deterministic)
+    dropout = check_dropout(dropout_p)
+    window = V.check_window(window_size)
+    packed = qkv_format == "thd"
+    band = V.resolve_band(_PADDING_TWIN.get(attn_mask_type, attn_mask_type) if packed else attn_mask_type, window)
+    scale = None if softmax_scale is None else V.check_scale(softmax_scale, 1)
+    mod = None
+    if any(x is not None for x in (score_mod, score_mod_tensors, score_mod_bprop, score_mod_bprop_tensors)):
+        from score_mods import as_score_mod
+
+        mod = as_score_mod(score_mod, tensors=score_mod_tensors, bprop=score_mod_bprop,
+                           bprop_tensors=score_mod_bprop_tensors)
+    spec = AttentionSpec(
+        qkv_format=qkv_format, attn_mask_type=attn_mask_type, band=band,
+        padding=not packed and attn_mask_type in V.PADDING_TYPES, softmax_scale=scale,
+        score_mod_key=None if mod is None else mod.cache_key, return_lse=return_lse,
+        deterministic=deterministic, backend=backend, softmax_type=softmax_type, dropout_p=dropout,
+        score_mod=mod)
+    return spec, mod
+
+
+class _SpecMemo:
+    """Bounded, thread-safe LRU of resolved specs keyed by the call's configuration arguments.
+
+    The score_mod enters the key by identity; the entry keeps the object alive (so the identity
+    is not reused while cached) and a hit checks it is the very same object."""
+
+    def __init__(self, maxsize: int = 256) -> None:
+        self._maxsize = maxsize
+        self._entries: "OrderedDict[tuple, Tuple[AttentionSpec, Any, Any]]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, score_mod: Any) -> Optional[Tuple[AttentionSpec, Any]]:
+        hit = self._entries.get(key)
+        if hit is None or hit[2] is not score_mod:
+            return None
+        return hit[0], hit[1]
+
+    def put(self, key: tuple, score_mod: Any, spec: AttentionSpec, mod: Any) -> None:
+        with self._lock:
+            self._entries[key] = (spec, mod, score_mod)
+            while len(self._entries) > self._maxsize:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_MEMO = _SpecMemo()
+
+
+def clear_spec_memo() -> None:
+    """Drop the memoized specs (and the score_mod objects they pin)."""
+    _MEMO.clear()
+
+
+def _typed(value: Any) -> Any:
+    """`value` with the types of its scalars, so 1 / 1.0 / True never share a memo entry."""
+    if isinstance(value, tuple):
+        return tuple(_typed(v) for v in value)
+    return (type(value), value)
+
+
+def resolve_spec(qkv_format: Any = "bshd", attn_mask_type: Any = "no_mask", window_size: Any = None,
+                 softmax_scale: Any = None, score_mod: Any = None, score_mod_tensors: Any = None,
+                 score_mod_bprop: Any = None, score_mod_bprop_tensors: Any = None, return_lse: Any = False,
+                 backend: Any = "auto", deterministic: Any = False, softmax_type: Any = "vanilla",
+                 dropout_p: Any = 0.0) -> Tuple[AttentionSpec, Any]:
+    """(AttentionSpec, the normalized score_mod or None); memoized; raises ValueError /
+    TypeError naming a bad argument. Raw-callback dicts bypass the memo (their contents may change)."""
+    raw = score_mod_tensors is not None or score_mod_bprop is not None or score_mod_bprop_tensors is not None
+    key = None
+    if not raw:
+        try:
+            window = tuple(window_size) if isinstance(window_size, (list, tuple)) else window_size
+            key = (qkv_format, attn_mask_type, _typed(window), _typed(softmax_scale), id(score_mod),
+                   _typed(return_lse), backend, _typed(deterministic), softmax_type, _typed(dropout_p))
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None:
+            hit = _MEMO.get(key, score_mod)
+            if hit is not None:
+                return hit
+    spec, mod = _resolve(qkv_format, attn_mask_type, window_size, softmax_scale, score_mod, score_mod_tensors,
+                         score_mod_bprop, score_mod_bprop_tensors, return_lse, backend, deterministic,
+                         softmax_type, dropout_p)
+    if key is not None:
+        _MEMO.put(key, score_mod, spec, mod)
+    return spec, mod
