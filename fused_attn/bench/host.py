@@ -26,19 +26,30 @@ def _rand(shape, device, gen):
     return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=gen)
 
 
-def _ref(q, k, v) -> torch.Tensor:
+def _ref(q, k, v, name: str = "") -> torch.Tensor:
+    """fp32 reference of a row: plain, or with the row's softcap(30) / causal mask."""
     t = [x.transpose(1, 2) for x in (q, k, v)]
-    return reference_attention(*t, scale=1 / math.sqrt(q.shape[-1])).transpose(1, 2)
+    score_fn = (lambda s, *_: 30.0 * torch.tanh(s / 30.0)) if "softcap" in name else None
+    mask = None
+    if "causal" in name:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+    return reference_attention(*t, scale=1 / math.sqrt(q.shape[-1]), score_fn=score_fn, mask=mask).transpose(1, 2)
 
 
 def _forwards(q, k, v, device) -> Dict[str, Callable[[], torch.Tensor]]:
     import fused_attn
+    import score_mods
 
     backend = "cudnn" if device.type == "cuda" else "reference"
     module = fused_attn.DotProductAttention(q.shape[2], q.shape[3], qkv_format="bshd", backend=backend)
+    cap = score_mods.softcap(30.0)
     fns = {
         "fused_attn functional": lambda: fused_attn.dot_product_attention(q, k, v, qkv_format="bshd", backend=backend),
-        "fused_attn module": lambda: module(q, k, v).view(q.shape),
+        "fused_attn module": lambda: module(q, k, v),
+        "fused_attn functional softcap": lambda: fused_attn.dot_product_attention(
+            q, k, v, qkv_format="bshd", score_mod=cap, backend=backend),
+        "fused_attn functional softcap + causal": lambda: fused_attn.dot_product_attention(
+            q, k, v, qkv_format="bshd", score_mod=cap, attn_mask_type="causal", backend=backend),
     }
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -46,7 +57,8 @@ def _forwards(q, k, v, device) -> Dict[str, Callable[[], torch.Tensor]]:
         from .raw_cudnn import RawSdpa
 
         raw = RawSdpa(q, k, v, causal=False, backward=False)
-        fns["raw_cudnn execute"] = raw.fwd
+        fns["raw_cudnn execute (tensor_uids)"] = raw.fwd_ordered
+        fns["raw_cudnn execute (dict)"] = raw.fwd
 
         def torch_cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -55,6 +67,51 @@ def _forwards(q, k, v, device) -> Dict[str, Callable[[], torch.Tensor]]:
 
         fns["torch_sdpa_cudnn"] = torch_cudnn
     return fns
+
+
+def _fwd_bwds(device, gen) -> Dict[str, Callable[[], object]]:
+    """fwd + backward of one call (grads accumulate into .grad, as in training)."""
+    import fused_attn
+
+    backend = "cudnn" if device.type == "cuda" else "reference"
+    q, k, v = [_rand(SHAPE, device, gen).requires_grad_() for _ in range(3)]
+    do = _rand(SHAPE, device, gen)
+    module = fused_attn.DotProductAttention(q.shape[2], q.shape[3], qkv_format="bshd", backend=backend)
+    fns = {
+        "fused_attn functional": lambda: fused_attn.dot_product_attention(
+            q, k, v, qkv_format="bshd", backend=backend).backward(do),
+        "fused_attn module": lambda: module(q, k, v).backward(do),
+    }
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def torch_cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               v.transpose(1, 2)).transpose(1, 2).backward(do)
+
+        fns["torch_sdpa_cudnn"] = torch_cudnn
+    return fns
+
+
+def _ratio_notes(rows: List[Dict[str, object]]) -> List[str]:
+    us = {(r.get("mode"), r.get("impl")): r.get("us_per_call") for r in rows if r.get("us_per_call")}
+    notes = []
+
+    def ratio(label, a, b):
+        if us.get(a) and us.get(b):
+            notes.append(f"{label}: {us[a] / us[b]:.2f}x ({us[a]:.1f} / {us[b]:.1f} us)")
+
+    ratio("fwd host, functional vs the frontend's bare ordered execute", ("fwd", "fused_attn functional"),
+          ("fwd", "raw_cudnn execute (tensor_uids)"))
+    ratio("fwd host, softcap + causal vs softcap alone", ("fwd", "fused_attn functional softcap + causal"),
+          ("fwd", "fused_attn functional softcap"))
+    ratio("fwd+bwd host, functional vs torch SDPA (cuDNN)", ("fwd+bwd", "fused_attn functional"),
+          ("fwd+bwd", "torch_sdpa_cudnn"))
+    if us.get(("fwd", "fused_attn module")) and us.get(("fwd", "fused_attn functional")):
+        notes.append(f"fwd host, module minus functional: "
+                     f"{us[('fwd', 'fused_attn module')] - us[('fwd', 'fused_attn functional')]:+.1f} us")
+    return notes
 
 
 def _cuda_graph_row(q, k, v, fn: Callable[[], torch.Tensor], calls: int) -> Dict[str, object]:
@@ -128,7 +185,7 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
     for name, fn in _forwards(q, k, v, device).items():
         row = {"suite": "host", "config": config, "mode": "fwd", "impl": name}
         try:
-            err = rel_max_err(fn(), _ref(q, k, v))
+            err = rel_max_err(fn(), _ref(q, k, v, name))
         except Exception as exc:
             msg = f"{type(exc).__name__}: {exc}"
             if name.startswith("fused_attn") or name.startswith("raw"):
@@ -140,6 +197,16 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
             result.rows.append({**row, "max_err": err, "note": "WRONG"})
             continue
         result.rows.append({**row, "us_per_call": host_us_per_call(fn, device, calls), "max_err": err})
+    for name, fn in _fwd_bwds(device, gen).items():
+        row = {"suite": "host", "config": config, "mode": "fwd+bwd", "impl": name}
+        try:
+            row["us_per_call"] = host_us_per_call(fn, device, calls // 2)
+        except Exception as exc:
+            if name.startswith("fused_attn"):
+                result.failures.append(f"host / fwd+bwd {name}: {type(exc).__name__}: {exc}")
+            row["note"] = f"FAILED: {type(exc).__name__}: {exc}"
+        result.rows.append(row)
+    result.notes.extend(_ratio_notes(result.rows))
     if device.type == "cuda":
         import fused_attn
 

@@ -132,6 +132,15 @@ class RawSdpa:
         self._fwd_graph.execute(self._fwd_pack, self._fwd_ws, handle=self.handle)
         return self.out
 
+    def fwd_ordered(self) -> torch.Tensor:
+        """The forward through the frontend's ordered execute (`tensor_uids=`): its cheapest public call."""
+        if not hasattr(self, "_fwd_ordered"):
+            self._fwd_ordered = ([t.get_uid() for t in self._fwd_pack], list(self._fwd_pack.values()))
+        self._set_stream()
+        uids, bufs = self._fwd_ordered
+        self._fwd_graph.execute(bufs, self._fwd_ws, handle=self.handle, tensor_uids=uids)
+        return self.out
+
     def fwd_bwd(self, do: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward then backward with upstream gradient `do` (B, S, H, D); returns (out, dq, dk, dv)."""
         if self._bwd_graph is None:

@@ -241,4 +241,7 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
     for causal in ((False,) if quick else (False, True)):
         result.extend(run_doc_packed(device, quick, causal=causal))
     result.extend(run_training_loop(device, 200 if quick else 1000))
+    from .steps import run_varlen_step
+
+    result.extend(run_varlen_step(device, quick))
     return result

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 

@@ -1,0 +1,266 @@
+"""GPU: call plans on cuDNN — the fast execute path, sinks, the bias input, padding edge cases,
+alignment, varlen windows, scale changes, explain/fallback — each against the float64 reference
+with the project's tolerance rule (`fused_attn.testing`)."""
+
+import warnings
+
+import pytest
+import torch
+
+import fused_attn
+import score_mods as sm
+from fused_attn.testing import assert_close, grad_tolerances, reference_attention, tolerance
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DT = torch.bfloat16
+
+
+def bshd(b, s, h, d, dtype=DT, grad=True, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=g).requires_grad_(grad)
+
+
+def logical(t):
+    return t.detach().transpose(1, 2)
+
+
+def check_dense(out, grads, q, k, v, do, scale, mask=None, score_fn=None, sinks=None, extra=()):
+    """out (B, S, H, Dv) and grads of (q, k, v[, sinks]) against float64 with the tolerance rule."""
+    ql, kl, vl = logical(q), logical(k), logical(v)
+    exact, _ = reference_attention(ql, kl, vl, scale, mask, score_fn, sinks)
+    bound = tolerance(ql, kl, vl, scale, q.dtype, mask, score_fn, sinks)
+    assert_close(logical(out), exact, bound, "out")
+    want, bounds = grad_tolerances(ql, kl, vl, logical(do), scale, q.dtype, mask, score_fn, sinks)
+    names = ["dq", "dk", "dv", "dsinks"]
+    for name, got, w, b in zip(names, grads, want, bounds):
+        got = got if name == "dsinks" else logical(got)
+        assert_close(got, w, b, name)
+
+
+def test_fast_execute_equals_public_execute(monkeypatch):
+    """The raw-pointer path and the frontend's public execute run the same plan: equal bits."""
+    from fused_attn.cache import GRAPH_CACHE
+
+    q, k, v = bshd(2, 256, 4, 64), bshd(2, 256, 4, 64, seed=1), bshd(2, 256, 4, 64, seed=2)
+    do = bshd(2, 256, 4, 64, grad=False, seed=3)
+    mod = sm.softcap(20.0)
+
+    def run():
+        out = fused_attn.dot_product_attention(q, k, v, score_mod=mod, attn_mask_type="causal", backend="cudnn")
+        return [out] + list(torch.autograd.grad(out, (q, k, v), do))
+
+    fast = run()
+    compiled = [GRAPH_CACHE.peek(key) for key in GRAPH_CACHE.keys()]
+    assert any(c.fast is not None for c in compiled), "the raw-pointer path was not available"
+    for c in compiled:
+        monkeypatch.setattr(c, "fast", None)
+    public = run()
+    for a, b in zip(fast, public):
+        assert torch.equal(a, b)
+
+
+def test_softcap_value_change_takes_effect_without_rebuild():
+    attn = fused_attn.DotProductAttention(4, 64, attn_mask_type="causal", score_mod=sm.softcap(30.0), backend="cudnn")
+    q, k, v = bshd(1, 128, 4, 64, grad=False), bshd(1, 128, 4, 64, grad=False, seed=1), bshd(1, 128, 4, 64, grad=False, seed=2)
+    mask = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()
+    outs = []
+    for cap in (30.0, 2.0):
+        attn.score_mod = sm.softcap(cap)
+        before = fused_attn.graph_cache.cache_info().builds
+        out = attn(q, k, v)
+        if cap == 2.0:
+            assert fused_attn.graph_cache.cache_info().builds == before
+        fn = lambda s, *_: cap * torch.tanh(s / cap)
+        exact, _ = reference_attention(logical(q), logical(k), logical(v), 0.125, mask, fn)
+        assert_close(logical(out), exact, tolerance(logical(q), logical(k), logical(v), 0.125, DT, mask, fn), f"cap {cap}")
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_softmax_scale_change_does_not_rebuild():
+    q, k, v = bshd(1, 128, 2, 64, grad=False), bshd(1, 128, 2, 64, grad=False, seed=1), bshd(1, 128, 2, 64, grad=False, seed=2)
+    fused_attn.dot_product_attention(q, k, v, softmax_scale=0.1, backend="cudnn")
+    before = fused_attn.graph_cache.cache_info().builds
+    out = fused_attn.dot_product_attention(q, k, v, softmax_scale=0.3, backend="cudnn")
+    assert fused_attn.graph_cache.cache_info().builds == before
+    exact, _ = reference_attention(logical(q), logical(k), logical(v), 0.3)
+    assert_close(logical(out), exact, tolerance(logical(q), logical(k), logical(v), 0.3, DT), "scale 0.3")
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_sinks_dense(softmax_type, mask, hkv):
+    q, k, v = bshd(2, 192, 4, 64), bshd(2, 192, hkv, 64, seed=1), bshd(2, 192, hkv, 64, seed=2)
+    do = bshd(2, 192, 4, 64, grad=False, seed=3)
+    sinks = None
+    if softmax_type == "learnable":
+        sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], device="cuda", requires_grad=True)
+    out = fused_attn.dot_product_attention(q, k, v, attn_mask_type=mask, softmax_type=softmax_type, sinks=sinks,
+                                           backend="cudnn")
+    wrt = (q, k, v) + ((sinks,) if sinks is not None else ())
+    grads = torch.autograd.grad(out, wrt, do)
+    m = torch.ones(192, 192, dtype=torch.bool, device="cuda").tril() if mask == "causal" else None
+    ref_sinks = sinks.detach() if sinks is not None else torch.zeros(4, device="cuda")
+    check_dense(out, grads, q, k, v, do, 0.125, m, None, ref_sinks)
+
+
+def test_sinks_thd_match_reference_backend():
+    lens = [5, 130, 1, 64]
+    cu = torch.tensor([0, 5, 135, 136, 200], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(200, 4, 64, device="cuda", dtype=DT, generator=g).requires_grad_() for _ in range(3))
+    sinks = torch.tensor([0.3, -0.7, 1.5, 0.0], device="cuda", requires_grad=True)
+    do = torch.randn(200, 4, 64, device="cuda", dtype=DT, generator=g)
+    kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=130,
+              max_seqlen_kv=130, softmax_type="learnable", return_lse=True)
+    out, lse = fused_attn.dot_product_attention(q, k, v, sinks=sinks, backend="cudnn", **kw)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), do)
+    bounds_src = []
+    for i, n in enumerate(lens):  # per-sequence dense check with the tolerance rule
+        a, b = int(cu[i]), int(cu[i + 1])
+        sl = [t.detach()[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+        m = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+        exact, exact_lse = reference_attention(*sl, 0.125, m, None, sinks.detach())
+        assert_close(out[a:b].transpose(0, 1)[None], exact, tolerance(*sl, 0.125, DT, m, None, sinks.detach()),
+                     f"out seq {i}")
+        assert_close(lse[:, a:b][None], exact_lse, 1e-2, f"lse seq {i}")
+        bounds_src.append(n)
+    q64, k64, v64, s64 = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
+    ref_out = fused_attn.dot_product_attention(q64, k64, v64, sinks=s64, backend="reference", **kw)[0]
+    want = torch.autograd.grad(ref_out, (q64, k64, v64, s64), do.double())
+    for name, got, w in zip(("dq", "dk", "dv", "dsinks"), grads, want):
+        err = (got.double() - w).abs().max().item()
+        assert err <= 0.02 * w.abs().max().item() + 1e-2, (name, err)
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float32, DT])
+@pytest.mark.parametrize("shape", [(1, 4, 128, 128), (2, 1, 128, 128), (2, 4, 128, 128)])
+def test_post_scale_bias_input_and_grad(bias_dtype, shape):
+    q, k, v = bshd(2, 128, 4, 64), bshd(2, 128, 4, 64, seed=1), bshd(2, 128, 4, 64, seed=2)
+    do = bshd(2, 128, 4, 64, grad=False, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    bias = torch.randn(*shape, device="cuda", generator=g).to(bias_dtype).requires_grad_()
+    out = fused_attn.dot_product_attention(q, k, v, score_mod=sm.post_scale_bias(bias), backend="cudnn")
+    grads = torch.autograd.grad(out, (q, k, v, bias), do)
+    fn = lambda s, b, h, qi, ki: s + bias.detach().double()[b.clamp(max=shape[0] - 1), h.clamp(max=shape[1] - 1), qi, ki]
+    check_dense(out, grads[:3], q, k, v, do, 0.125, None, fn)
+    b64 = bias.detach().double().requires_grad_()
+    ref = fused_attn.dot_product_attention(*(t.detach().double() for t in (q, k, v)), score_mod=sm.post_scale_bias(b64),
+                                           backend="reference")
+    (want,) = torch.autograd.grad(ref, (b64,), do.double())
+    assert grads[3].shape == bias.shape
+    err = (grads[3].double() - want).abs().max().item()
+    assert err <= 0.02 * want.abs().max().item() + 1e-3, err
+
+
+def test_softcap_then_bias_uses_bias_input():
+    q, k, v = bshd(1, 128, 2, 64), bshd(1, 128, 2, 64, seed=1), bshd(1, 128, 2, 64, seed=2)
+    do = bshd(1, 128, 2, 64, grad=False, seed=3)
+    bias = torch.randn(1, 2, 128, 128, device="cuda")
+    mod = sm.compose(sm.softcap(5.0), sm.post_scale_bias(bias))
+    out = fused_attn.dot_product_attention(q, k, v, score_mod=mod, attn_mask_type="causal", backend="cudnn")
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    m = torch.ones(128, 128, dtype=torch.bool, device="cuda").tril()
+    fn = lambda s, b, h, qi, ki: 5.0 * torch.tanh(s / 5.0) + bias.double()[0, h, qi, ki]
+    check_dense(out, grads, q, k, v, do, 0.125, m, fn)
+
+
+def test_huge_window_is_unbounded():
+    q, k, v = bshd(1, 128, 2, 64, grad=False), bshd(1, 128, 2, 64, grad=False, seed=1), bshd(1, 128, 2, 64, grad=False, seed=2)
+    a = fused_attn.dot_product_attention(q, k, v, attn_mask_type="causal", window_size=(2**31 - 1, 0), backend="cudnn")
+    b = fused_attn.dot_product_attention(q, k, v, attn_mask_type="causal", backend="cudnn")
+    assert torch.equal(a, b)
+
+
+def test_padded_rows_without_keys_are_zero():
+    q, k, v = bshd(3, 64, 2, 64, grad=False), bshd(3, 64, 2, 64, grad=False, seed=1), bshd(3, 64, 2, 64, grad=False, seed=2)
+    cu_q = torch.tensor([0, 10, 40, 104], dtype=torch.int32, device="cuda")
+    cu_kv = torch.tensor([0, 0, 30, 94], dtype=torch.int32, device="cuda")  # sequence 0 has no key
+    out, lse = fused_attn.dot_product_attention(q, k, v, attn_mask_type="padding", cu_seqlens_q=cu_q,
+                                                cu_seqlens_kv=cu_kv, return_lse=True, backend="cudnn")
+    assert out[0].abs().max() == 0 and torch.isinf(lse[0, :, :10]).all()
+    assert torch.isfinite(out).all()
+
+
+def test_thd_rows_without_keys_are_zero():
+    cu_q = torch.tensor([0, 7, 20], dtype=torch.int32, device="cuda")
+    cu_kv = torch.tensor([0, 0, 9], dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(20, 2, 64, device="cuda", dtype=DT, generator=g)
+    k, v = (torch.randn(9, 2, 64, device="cuda", dtype=DT, generator=g) for _ in range(2))
+    out = fused_attn.dot_product_attention(q, k, v, qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+                                           max_seqlen_q=13, max_seqlen_kv=9, backend="cudnn")
+    assert out[:7].abs().max() == 0 and torch.isfinite(out).all()
+    exact, _ = reference_attention(q[7:].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   0.125)
+    assert_close(out[7:].transpose(0, 1)[None], exact, 2e-2, "second sequence")
+
+
+def test_misaligned_and_odd_stride_inputs_are_served():
+    base = torch.randn(2 * 128 * 4 * 64 + 1, device="cuda", dtype=DT)
+    q = base[1:].view(2, 128, 4, 64)  # storage offset of one element: not 16-byte aligned
+    k, v = bshd(2, 128, 4, 64, grad=False, seed=1), bshd(2, 128, 4, 64, grad=False, seed=2)
+    out = fused_attn.dot_product_attention(q, k, v, backend="cudnn")
+    exact, _ = reference_attention(logical(q), logical(k), logical(v), 0.125)
+    assert_close(logical(out), exact, tolerance(logical(q), logical(k), logical(v), 0.125, DT), "misaligned q")
+
+
+def test_varlen_causal_score_mod_self_attention_runs_on_cudnn():
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(300, 4, 64, device="cuda", dtype=DT) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fused_attn.FallbackWarning)
+        out = fused_attn.varlen_attn(q, k, v, cu, cu, 200, 200, window_size=(-1, 0), score_mod=sm.softcap(30.0))
+    ref = fused_attn.varlen_attn(q.double(), k.double(), v.double(), cu, cu, 200, 200, window_size=(-1, 0),
+                                 score_mod=sm.softcap(30.0))
+    assert_close(out, ref, 2e-2, "varlen causal softcap")
+
+
+def test_varlen_two_sided_window_with_unequal_lengths():
+    cu_q = torch.tensor([0, 5, 45], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 9, 90], dtype=torch.int32, device="cuda")
+    q = torch.randn(45, 2, 64, device="cuda", dtype=DT)
+    k, v = (torch.randn(90, 2, 64, device="cuda", dtype=DT) for _ in range(2))
+    out = fused_attn.varlen_attn(q, k, v, cu_q, cu_k, 40, 81, window_size=(6, 3))
+    ref = fused_attn.varlen_attn(q.double(), k.double(), v.double(), cu_q, cu_k, 40, 81, window_size=(6, 3))
+    assert_close(out, ref, 2e-2, "bottom-right two-sided window")
+
+
+def test_auto_fallback_warns_once_and_explains():
+    q, k, v = bshd(1, 64, 2, 64), bshd(1, 64, 2, 64, seed=1), bshd(1, 64, 2, 64, seed=2)
+    mod = sm.document_mask(torch.arange(64, device="cuda") // 16)
+    with pytest.warns(fused_attn.FallbackWarning, match="reference backend"):
+        fused_attn.dot_product_attention(q, k, v, score_mod=mod)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fused_attn.FallbackWarning)
+        fused_attn.dot_product_attention(q, k, v, score_mod=mod)  # same plan: no second warning
+    why = fused_attn.explain(q, k, v, score_mod=mod)
+    assert why.backend == "reference" and "document" in why.reason
+
+
+@pytest.mark.parametrize("batch,docs", [(1, 1), (2, 3), (4, 6)])
+@pytest.mark.parametrize("mask", [dict(is_causal=True), dict(), dict(window_size=(32, 0), is_causal=True)])
+def test_doc_packed_parity_cases(batch, docs, mask):
+    """AutoParallel's parity shapes (S=256, H 8/4 GQA, D=64, bf16): previously a workspace error."""
+    g = torch.Generator().manual_seed(batch * 10 + docs)
+    rows = []
+    for _ in range(batch):
+        cuts = sorted(torch.randperm(255, generator=g)[: docs - 1].add(1).tolist())
+        rows.append([0] + cuts + [256] * (docs - len(cuts)))
+    cu_seq = torch.tensor(rows, dtype=torch.int32, device="cuda")
+    q = bshd(batch, 256, 8, 64)
+    k, v = bshd(batch, 256, 4, 64, seed=1), bshd(batch, 256, 4, 64, seed=2)
+    do = bshd(batch, 256, 8, 64, grad=False, seed=3)
+    out = fused_attn.doc_packed_attn(q, k, v, cu_seq, enable_gqa=True, **mask)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = fused_attn.doc_packed_attn(*leaves, cu_seq, enable_gqa=True, **mask)
+    want = torch.autograd.grad(ref, leaves, do.double())
+    assert_close(out, ref, 2e-2, "out")
+    for name, a, b in zip("qkv", grads, want):
+        assert_close(a, b, 0.03 * b.abs().max().item() + 1e-2, f"d{name}")
