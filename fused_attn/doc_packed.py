@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .functional import run_spec
+from .functional import run_call
 from .plan import Varlen
 from .spec import resolve_spec
 from .validation import check_window
@@ -188,9 +188,13 @@ def doc_packed_attn(
         raise ValueError(f"max_doc_len must be None or an int in [0, S={seq_len}], got {max_doc_len!r}")
     check_doc_boundaries(cu_seq, batch, seq_len, query.device, max_doc_len)
     mask_type, window = _mask(is_causal, window_size)
-    spec, mod = resolve_spec(qkv_format="thd", attn_mask_type=mask_type, window_size=window, softmax_scale=scale,
-                             score_mod=score_mod)
     cu = doc_cu_seqlens(cu_seq, seq_len)
     varlen = Varlen(cu, cu, None, None, max_doc_len, max_doc_len)
-    out = run_spec(spec, mod, _packed(query), _packed(key), _packed(value), varlen)
+    out = run_call(_resolve, (mask_type, window, scale), score_mod, _packed(query), _packed(key), _packed(value), varlen)
     return out.view(batch, seq_len, out.shape[-2], out.shape[-1])
+
+
+def _resolve(config: tuple, score_mod: object):
+    mask_type, window, scale = config
+    return resolve_spec(qkv_format="thd", attn_mask_type=mask_type, window_size=window, softmax_scale=scale,
+                        score_mod=score_mod)

@@ -16,7 +16,7 @@ from .autograd import attention
 from .plan import NO_VARLEN, Explanation, Varlen, explain_plan, get_plan
 from .spec import AttentionSpec, resolve_spec
 
-__all__ = ["dot_product_attention", "explain", "run_spec"]
+__all__ = ["dot_product_attention", "explain", "run_spec", "run_call"]
 
 
 def dot_product_attention(
@@ -90,16 +90,46 @@ def dot_product_attention(
     "reference"; an explicit backend that cannot serve raises NotImplementedError.
     deterministic: use cuDNN's deterministic backward (the reference is always deterministic).
     """
-    spec, mod = resolve_spec(qkv_format, attn_mask_type, window_size, softmax_scale, score_mod, score_mod_tensors,
-                             score_mod_bprop, score_mod_bprop_tensors, return_lse, backend, deterministic,
-                             softmax_type, dropout_p)
+    config = (qkv_format, attn_mask_type, window_size, softmax_scale, score_mod_tensors, score_mod_bprop,
+              score_mod_bprop_tensors, return_lse, backend, deterministic, softmax_type, dropout_p)
     if (cu_seqlens_q is None and cu_seqlens_kv is None and max_seqlen_q is None and max_seqlen_kv is None
             and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None):
         varlen = NO_VARLEN
     else:
         varlen = Varlen(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
                         max_seqlen_kv)
+    return run_call(_resolve_call, config, score_mod, query, key, value, varlen, sinks)
+
+
+def _resolve_call(config: tuple, score_mod: Any) -> Tuple[AttentionSpec, Any]:
+    """`dot_product_attention`'s spec from its configuration arguments (memoized)."""
+    (qkv_format, attn_mask_type, window_size, softmax_scale, score_mod_tensors, score_mod_bprop,
+     score_mod_bprop_tensors, return_lse, backend, deterministic, softmax_type, dropout_p) = config
+    return resolve_spec(qkv_format, attn_mask_type, window_size, softmax_scale, score_mod, score_mod_tensors,
+                        score_mod_bprop, score_mod_bprop_tensors, return_lse, backend, deterministic, softmax_type,
+                        dropout_p)
+
+
+def run_call(resolver: Any, config: tuple, score_mod: Any, query: Any, key: Any, value: Any, varlen: Varlen,
+             sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """The body of the public entry points: `resolver(config, score_mod) -> (spec, mod)` then the
+    plan. Under torch.compile the resolution runs once at trace time (its key is a constant)."""
+    if torch.compiler.is_compiling():
+        from . import ops
+
+        key_ = ops.compiled_key(resolver, config, score_mod, query.device.type, query.dtype, query.shape[-1],
+                                value.shape[-1])
+        out, lse = ops.attention_by_key(key_, score_mod, query, key, value, _compiled_varlen(varlen), sinks)
+        return out if lse is None else (out, lse)
+    spec, mod = resolver(config, score_mod)
     return run_spec(spec, mod, query, key, value, varlen, sinks)
+
+
+def _compiled_varlen(varlen: Varlen) -> Varlen:
+    if varlen.cu_seqlens_q is not None and (varlen.max_seqlen_q is None or varlen.max_seqlen_kv is None):
+        raise ValueError("under torch.compile, packed (thd) calls need max_seqlen_q and max_seqlen_kv (deriving them "
+                         "from cu_seqlens would read the device on the host)")
+    return varlen
 
 
 def _complete(spec: AttentionSpec, varlen: Varlen) -> Varlen:
@@ -114,14 +144,9 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
              sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
     varlen = _complete(spec, varlen)
-    if torch.compiler.is_compiling():
-        from . import ops
-
-        out, lse = ops.attention(spec, mod, query, key, value, varlen, sinks)
-    else:
-        plan = get_plan(spec, mod, query, key, value, varlen, sinks)
-        check_values(plan, query, key, varlen)
-        out, lse = attention(plan.runner, query, key, value, varlen, mod, sinks)
+    plan = get_plan(spec, mod, query, key, value, varlen, sinks)
+    check_values(plan, query, key, varlen)
+    out, lse = attention(plan.runner, query, key, value, varlen, mod, sinks)
     return (out, lse) if spec.return_lse else out
 
 

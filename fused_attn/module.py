@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 from . import validation as V
-from .functional import run_spec
+from .functional import _resolve_call, run_call, run_spec
 from .layouts import dims
 from .plan import NO_VARLEN, Varlen
 from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS
+from .ops import attention_by_key, op_keys_for, traced_backend
 from .spec import SOFTMAX_TYPES, check_dropout, resolve_spec
 
 __all__ = ["DotProductAttention"]
@@ -30,6 +31,9 @@ _SPEC_KWARGS = frozenset({"qkv_format", "attn_mask_type", "window_size", "softma
                           "score_mod_tensors", "score_mod_bprop", "score_mod_bprop_tensors", "return_lse", "backend",
                           "deterministic"})
 _CALL_KWARGS = _SPEC_KWARGS | frozenset(_VARLEN)
+#: dot_product_attention's configuration tuple (see functional._resolve_call), without score_mod.
+_CONFIG_ORDER = ("qkv_format", "attn_mask_type", "window_size", "softmax_scale", "score_mod_tensors", "score_mod_bprop",
+                 "score_mod_bprop_tensors", "return_lse", "backend", "deterministic", "softmax_type", "dropout_p")
 
 
 def _stable_mod(current: Any, new: Any) -> Any:
@@ -167,6 +171,8 @@ class DotProductAttention(nn.Module):
         if self._attention_dropout:
             train_spec, _ = resolve_spec(**common, dropout_p=self._attention_dropout)
         object.__setattr__(self, "_specs", (eval_spec, train_spec, mod))
+        # Spec keys for torch.compile, registered here in eager code: a compiled model reads constants.
+        object.__setattr__(self, "_op_keys", (op_keys_for(eval_spec), op_keys_for(train_spec)))
         object.__setattr__(self, "_checked", {})
 
     # ------------------------------------------------------------------ forward
@@ -183,15 +189,25 @@ class DotProductAttention(nn.Module):
                                 f"{sorted(_CALL_KWARGS)}")
             if any(n in overrides for n in _VARLEN):
                 varlen = Varlen(*(overrides.get(n) for n in _VARLEN))
-            config = {n: overrides[n] for n in _SPEC_KWARGS if n in overrides}
-            if config:
+            if any(n in overrides for n in _SPEC_KWARGS):
                 cfg = dict(qkv_format=self._qkv_format, attn_mask_type=self._attn_mask_type,
                            window_size=self._window_size, softmax_scale=self._softmax_scale, score_mod=self._call_mod,
-                           backend=self._backend, deterministic=self._deterministic, softmax_type=self._softmax_type,
-                           dropout_p=spec.dropout_p)
-                cfg.update(config)
-                spec, mod = resolve_spec(**cfg)
+                           score_mod_tensors=None, score_mod_bprop=None, score_mod_bprop_tensors=None,
+                           return_lse=False, backend=self._backend, deterministic=self._deterministic,
+                           softmax_type=self._softmax_type, dropout_p=spec.dropout_p)
+                cfg.update((n, overrides[n]) for n in _SPEC_KWARGS if n in overrides)
+                self._check_config(query, key, value, cfg["qkv_format"])
+                score_mod = cfg.pop("score_mod")
+                return run_call(_resolve_call, tuple(cfg[n] for n in _CONFIG_ORDER), score_mod, query, key, value,
+                                varlen, self.sinks)
         self._check_config(query, key, value, spec.qkv_format)
+        if torch.compiler.is_compiling():
+            keys = self._op_keys[1 if self.training else 0]
+            backend = spec.backend
+            if backend == "auto":
+                backend = traced_backend(query.device.type, query.dtype, query.shape[-1], value.shape[-1])
+            out, lse = attention_by_key(keys[backend], mod, query, key, value, varlen, self.sinks)
+            return out if lse is None else (out, lse)
         return run_spec(spec, mod, query, key, value, varlen, self.sinks)
 
     def _check_config(self, query: Any, key: Any, value: Any, fmt: str) -> None:

@@ -29,7 +29,7 @@ import torch
 from .plan import Varlen, get_plan
 from .spec import AttentionSpec
 
-__all__ = ["attention", "register_spec", "lookup_spec", "spec_key"]
+__all__ = ["attention_by_key", "compiled_key", "op_keys_for", "register_spec", "lookup_spec", "spec_key", "traced_backend"]
 
 _REGISTRY: "OrderedDict[str, AttentionSpec]" = OrderedDict()
 _REGISTRY_MAX = 4096
@@ -265,48 +265,68 @@ def _scalars(mod: Any) -> torch.Tensor:
     return torch.tensor(list(mod.scalars().values()), dtype=torch.float64)
 
 
-def attention(spec: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              varlen: Varlen, sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Run the call through the custom ops (traceable by torch.compile, fullgraph); (out, lse)."""
-    backend = spec.backend
-    if backend == "auto":
-        backend = _traced_backend(spec, mod, query, key, value, varlen, sinks)
-    traced = spec if backend == spec.backend else dataclasses.replace(spec, backend=backend)
-    key_ = getattr(mod, "_op_keys", {}).get(traced) if mod is not None else None
-    if key_ is None:
-        key_ = register_spec(traced)
-    tensors = [] if mod is None else list(mod.tensors().values())
-    out, lse, _saved = attn_fwd(query, key, value, varlen.cu_seqlens_q, varlen.cu_seqlens_kv,
-                                varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded, varlen.max_seqlen_q,
-                                varlen.max_seqlen_kv, sinks, _scalars(mod), tensors, key_)
-    return out, (lse if spec.return_lse else None)
+def traced_spec(spec: AttentionSpec, device_type: str, dtype: torch.dtype, head_dim: int,
+                head_dim_v: int) -> AttentionSpec:
+    """`spec` with backend "auto" replaced by the backend its tensors' metadata selects."""
+    if spec.backend != "auto":
+        return spec
+    backend = "reference"
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 \
+            and head_dim_v % 8 == 0 and head_dim <= 256 and head_dim_v <= 256:
+        from .backends.registry import cudnn_available
+
+        if cudnn_available():
+            backend = "cudnn"
+    return dataclasses.replace(spec, backend=backend)
+
+
+def op_keys_for(spec: AttentionSpec) -> dict:
+    """{backend: registered spec key} for every backend `spec` may run on under torch.compile
+    (DotProductAttention computes these eagerly, so a compiled model reads constants)."""
+    names = ("cudnn", "reference") if spec.backend == "auto" else (spec.backend,)
+    return {name: _register(dataclasses.replace(spec, backend=name)) for name in names}
 
 
 @torch.compiler.assume_constant_result
-def _traced_backend_name(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> str:
-    """`auto`'s choice from metadata: cuDNN for CUDA half/bfloat16 with head dims it takes."""
-    from .backends.registry import cudnn_available
-
-    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 \
-            and head_dim_v % 8 == 0 and head_dim <= 256 and head_dim_v <= 256 and cudnn_available():
-        return "cudnn"
-    return "reference"
+def compiled_key(resolver: Any, args: tuple, score_mod: Any, device_type: str, dtype: torch.dtype, head_dim: int,
+                 head_dim_v: int) -> str:
+    """Run an entry point's spec resolution at trace time (eagerly) and register the result:
+    `resolver(args, score_mod) -> (spec, mod)`; returns the spec key (a constant of the graph)."""
+    spec, _mod = resolver(args, score_mod)
+    return _register(traced_spec(spec, device_type, dtype, head_dim, head_dim_v))
 
 
-def _traced_backend(spec, mod, query, key, value, varlen, sinks) -> str:
-    return _traced_backend_name(query.device.type, query.dtype, query.shape[-1], value.shape[-1])
+@torch.compiler.assume_constant_result
+def traced_backend(device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> str:
+    """The backend `auto` selects for these metadata (a constant of the graph)."""
+    probe = AttentionSpec("bshd", "no_mask", None, False, None, None, False, False, "auto")
+    return traced_spec(probe, device_type, dtype, head_dim, head_dim_v).backend
 
 
-def prepare_spec(spec: AttentionSpec, mod: Any, device: torch.device, dtype: torch.dtype, head_dim: int,
-                 head_dim_v: int) -> None:
-    """Register `spec` now, in eager code, and remember its key on the mod object, so a compiled
-    model reusing that mod reads a constant instead of tracing the registration
-    (`DotProductAttention` does this for its configured score_mod)."""
-    if mod is None:
-        return
-    backend = spec.backend
-    if backend == "auto":
-        backend = _traced_backend_name(device.type, dtype, head_dim, head_dim_v)
-    traced = spec if backend == spec.backend else dataclasses.replace(spec, backend=backend)
-    keys = mod.__dict__.setdefault("_op_keys", {})
-    keys[traced] = _register(traced)
+@torch.compiler.assume_constant_result
+def _template_scalars(key: str) -> tuple:
+    template = lookup_spec(key).score_mod
+    return () if template is None else tuple(template.scalars().values())
+
+
+@torch.compiler.assume_constant_result
+def _returns_lse(key: str) -> bool:
+    return lookup_spec(key).return_lse
+
+
+def attention_by_key(key: str, mod: Any, query: torch.Tensor, key_t: torch.Tensor, value: torch.Tensor,
+                     varlen: Varlen, sinks: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run a registered spec through the custom ops (traceable, fullgraph); (out, lse or None).
+
+    `mod`: the call's ScoreMod (its float values and tensors are read here), or None / a plain
+    function (the registered template's values are used)."""
+    from score_mods.base import ScoreMod
+
+    if isinstance(mod, ScoreMod):
+        scalars, tensors = _scalars(mod), list(mod.tensors().values())
+    else:
+        scalars, tensors = torch.tensor(_template_scalars(key), dtype=torch.float64), []
+    out, lse, _saved = attn_fwd(query, key_t, value, varlen.cu_seqlens_q, varlen.cu_seqlens_kv,
+                                varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded, varlen.max_seqlen_q,
+                                varlen.max_seqlen_kv, sinks, scalars, tensors, key)
+    return out, (lse if _returns_lse(key) else None)

@@ -32,7 +32,7 @@ import torch
 
 
 from .doc_packed import doc_packed_attn
-from .functional import run_spec
+from .functional import run_call
 from .memo import BoundedMemo
 from .plan import Varlen
 from .problem import Band
@@ -175,6 +175,11 @@ def varlen_attn(
     max_k = _check_max("max_k", max_k)
     left, right = _check_window(window_size)
     want_lse = bool(return_aux is not None and return_aux.lse)
-    spec, mod = _spec(left, right, cu_seq_q is cu_seq_k, scale, score_mod, want_lse)
     varlen = Varlen(cu_seq_q, cu_seq_k, None, None, max_q, max_k)
-    return run_spec(spec, mod, query, key, value, varlen)
+    config = (left, right, cu_seq_q is cu_seq_k, scale, want_lse)
+    return run_call(_resolve, config, score_mod, query, key, value, varlen)
+
+
+def _resolve(config: tuple, score_mod: object) -> Tuple[AttentionSpec, object]:
+    left, right, same_lengths, scale, want_lse = config
+    return _spec(left, right, same_lengths, scale, score_mod, want_lse)

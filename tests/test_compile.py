@@ -7,6 +7,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fused_attn
 from fused_attn import DotProductAttention, ops
 from fused_attn.plan import NO_VARLEN, Varlen
 from fused_attn.spec import resolve_spec
@@ -103,7 +104,7 @@ def test_opcheck_backward():
 @pytest.mark.parametrize("make", [dense_call, thd_call])
 def test_attention_forward_backward_match_naive(make):
     (q, k, v), spec, mod, varlen = make(Softcap(2.5))
-    out, lse = ops.attention(spec, mod, q, k, v, varlen, None)
+    out, lse = ops.attention_by_key(ops.register_spec(spec), mod, q, k, v, varlen, None)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -128,7 +129,7 @@ def test_unregistered_key_and_missing_rebind():
 
     (q, k, v), spec, mod, varlen = dense_call(NoRebind(1.0))
     with pytest.raises(NotImplementedError, match="no rebind"):
-        ops.attention(spec, mod, q, k, v, varlen, None)
+        ops.attention_by_key(ops.register_spec(spec), mod, q, k, v, varlen, None)
 
 
 def test_spec_key_is_structural():
@@ -239,9 +240,36 @@ class OpLog(TorchDispatchMode):
 def test_dispatch_mode_sees_custom_ops_in_forward_and_backward():
     (q, k, v), spec, mod, varlen = dense_call(Softcap(2.0), causal=False)
     with OpLog() as fwd_log:
-        out, _ = ops.attention(spec, mod, q, k, v, varlen, None)
+        out, _ = ops.attention_by_key(ops.register_spec(spec), mod, q, k, v, varlen, None)
     with OpLog() as bwd_log:
         out.sum().backward()
     assert any(n.startswith("fused_attn.attn_fwd") for n in fwd_log.names)
     assert any(n.startswith("fused_attn.attn_bwd") for n in bwd_log.names)
     assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_functional_call_compiles_fullgraph_with_score_mod_and_mask():
+    mod = softcap(3.0)
+
+    def f(q, k, v):
+        return fused_attn.dot_product_attention(q, k, v, score_mod=mod, attn_mask_type="causal")
+
+    q, k, v = (torch.randn(2, 8, 4, 16) for _ in range(3))
+    compiled = torch.compile(f, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
+
+
+def test_varlen_and_doc_packed_compile_fullgraph():
+    cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32)
+    cu_seq = torch.tensor([[0, 3, 8], [0, 8, 8]], dtype=torch.int32)
+
+    def f(q, k, v):
+        a = fused_attn.varlen_attn(q, k, v, cu, cu, 8, 8, window_size=(-1, 0))
+        b = fused_attn.doc_packed_attn(q.view(2, 8, 4, 16), k.view(2, 8, 4, 16), v.view(2, 8, 4, 16), cu_seq,
+                                       is_causal=True)
+        return a, b
+
+    q, k, v = (torch.randn(16, 4, 16) for _ in range(3))
+    got = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
+    for a, b in zip(got, f(q, k, v)):
+        torch.testing.assert_close(a, b)

@@ -75,9 +75,16 @@ class DenseRunner:
         operands = self._operands(spec.score_mod)
         bias = L.bias_tensor(self.lowering, spec.score_mod) if self.lowering.bias_param else None
         bias_desc = None
+        self.bias_cast = None
         if bias is not None:
-            bias_desc = (tuple(bias.shape), normalized(tuple(bias.shape), tuple(bias.stride())),
-                         str(bias.dtype).replace("torch.", ""), p.needs_grad and bias.requires_grad)
+            trained = p.needs_grad and bias.requires_grad
+            if trained and bias.dtype != p.dtype:
+                # cuDNN's dBias needs the bias in the io dtype (measured: an fp32 bias with dBias is declined)
+                self.bias_cast = p.dtype
+            dtype = self.bias_cast or bias.dtype
+            strides = _contiguous_strides(tuple(bias.shape)) if self.bias_cast else tuple(bias.stride())
+            bias_desc = (tuple(bias.shape), normalized(tuple(bias.shape), strides), str(dtype).replace("torch.", ""),
+                         trained)
         self.bias_grad = bias_desc is not None and bias_desc[3]
         common = dict(dtype=str(p.dtype).replace("torch.", ""), q_dims=self.dims[0], k_dims=self.dims[1],
                       v_dims=self.dims[2], q_strides=in_strides[0], k_strides=in_strides[1],
@@ -126,7 +133,8 @@ class DenseRunner:
             bind["seq_q"], bind["seq_kv"] = seqs
         bias = None
         if self.lowering.bias_param is not None:
-            bias = bind["bias"] = L.bias_tensor(self.lowering, mod)
+            bias = L.bias_tensor(self.lowering, mod)
+            bind["bias"] = bias if self.bias_cast is None else bias.detach().to(self.bias_cast).contiguous()
         if self.sinks is not None:
             bind["sink"] = self.sinks(sinks)
         return (q, k, v), bind, seqs, bias
@@ -179,13 +187,14 @@ class DenseRunner:
         if has_bias:
             bias = extra.pop(0)
             if self.bias_grad:
-                d_bias = bind["dBias"] = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
-                extra_grads.append(d_bias)
+                d_bias = bind["dBias"] = torch.empty(bias.shape, dtype=self.bias_cast or bias.dtype, device=bias.device)
+                extra_grads.append(d_bias if self.bias_cast is None else d_bias.to(bias.dtype))
             else:
                 extra_grads.append(None)
-        if has_sinks:
+        if self.sinks is not None:  # the graph writes dSink (off-by-one: into a scratch buffer)
             d_sink = bind["dSink"] = torch.empty((1, self.dims[0][1], 1, 1), dtype=torch.float32, device=q.device)
-            extra_grads.append(d_sink.view(-1).to(extra.pop(0).dtype))
+            if has_sinks:
+                extra_grads.append(d_sink.view(-1).to(extra.pop(0).dtype))
         self.graphs.run("bwd", bind)
         if self.padding and self.has_mod:
             seq_q, seq_kv = seqs

@@ -121,8 +121,9 @@ class ThdRunner:
         bind = {n: t for n, t in bind_fwd.items() if n not in ("o", "stats")}
         bind.update(o=out, dO=d_o, stats=stats, dQ=grads[0], dK=grads[1], dV=grads[2])
         extra = []
-        if has_sinks:
+        if self.sinks is not None:  # the graph writes dSink (off-by-one: into a scratch buffer)
             d_sink = bind["dSink"] = torch.empty((1, self.heads, 1, 1), dtype=torch.float32, device=q.device)
-            extra.append(d_sink.view(-1).to(saved[5].dtype))
+            if has_sinks:
+                extra.append(d_sink.view(-1).to(saved[5].dtype))
         self.graphs.run("bwd", bind)
         return tuple(grads) + tuple(extra)

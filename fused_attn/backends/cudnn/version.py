@@ -45,6 +45,11 @@ def unavailable_reason() -> Optional[str]:
     return _get()[0]
 
 
+def backend_version() -> int:
+    """The cuDNN library version as an int (91900 for 9.19.0), 0 when unavailable."""
+    return _get()[1]
+
+
 def check() -> int:
     """Raise ImportError (installed vs supported) unless usable; return the backend version."""
     reason, backend = _get()
