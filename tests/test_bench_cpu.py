@@ -34,7 +34,10 @@ def test_cpu_smoke_checks_times_and_writes_csv(tmp_path):
     assert {r["impl"] for r in rows if r["suite"] == "dense"} == {"fused_attn", "torch_sdpa_math"}
     rebuild = [r for r in rows if r["mode"] == "rebuild"]
     assert len(rebuild) == 1 and rebuild[0]["builds_delta"] == "0"
-    assert sum(1 for r in rows if r["suite"] == "host" and r.get("us_per_call")) == 2
+    host = {(r["mode"], r["impl"]) for r in rows if r["suite"] == "host" and r.get("us_per_call")}
+    assert host == {("fwd", "fused_attn functional"), ("fwd", "fused_attn module"), ("fwd", "fused_attn functional softcap"),
+                    ("fwd", "fused_attn functional softcap + causal"), ("fwd+bwd", "fused_attn functional"),
+                    ("fwd+bwd", "fused_attn module")}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
