@@ -16,7 +16,7 @@ from .autograd import attention
 from .plan import NO_VARLEN, Explanation, Varlen, explain_plan, get_plan
 from .spec import AttentionSpec, resolve_spec
 
-__all__ = ["dot_product_attention", "explain", "run_spec", "run_call"]
+__all__ = ["dot_product_attention", "explain", "run_spec", "run_call", "attention_forward", "attention_backward"]
 
 
 def dot_product_attention(
@@ -183,3 +183,47 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwarg
 _SPEC_ARGS = frozenset({"qkv_format", "attn_mask_type", "window_size", "softmax_scale", "score_mod",
                         "score_mod_tensors", "score_mod_bprop", "score_mod_bprop_tensors", "return_lse", "backend",
                         "deterministic", "softmax_type", "dropout_p"})
+
+
+def _split_call_kwargs(kwargs: dict) -> Tuple[AttentionSpec, Any, Varlen, Optional[torch.Tensor]]:
+    cfg = dict(kwargs)
+    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
+             "max_seqlen_kv")
+    varlen = Varlen(*(cfg.pop(n, None) for n in names))
+    sinks = cfg.pop("sinks", None)
+    unknown = sorted(set(cfg) - _SPEC_ARGS)
+    if unknown:
+        raise TypeError(f"got unexpected keyword(s) {unknown}; the call takes dot_product_attention's arguments")
+    cfg["return_lse"] = True
+    spec, mod = resolve_spec(**cfg)
+    return spec, mod, _complete(spec, varlen), sinks
+
+
+def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      **kwargs: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of `dot_product_attention(query, key, value, **kwargs)` without autograd.
+
+    A building block for callers that assemble one attention from pieces (context
+    parallelism: one key/value chunk at a time, merged with the lse): out in the query's
+    format, lse fp32 (B, H, Sq) or (H, Tq) for thd. Pair it with `attention_backward`.
+    """
+    spec, mod, varlen, sinks = _split_call_kwargs(kwargs)
+    with torch.no_grad():
+        plan = get_plan(spec, mod, query, key, value, varlen, sinks)
+        check_values(plan, query, key, varlen)
+        out, lse, _, _ = plan.runner.forward(query, key, value, varlen, mod, sinks)
+    return out, lse
+
+
+def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, grad_out: torch.Tensor, **kwargs: Any) -> Tuple[torch.Tensor, ...]:
+    """Gradients (dq, dk, dv, then the score_mod's differentiated tensor parameters and the
+    sinks, as the backend reports them) of one call, given the output `out` and fp32 `lse`
+    it is normalized by — which may belong to a larger attention over more keys than
+    key/value hold (the global output and lse of a context-parallel ring): the weights are
+    exp(score - lse), and D = rowsum(grad_out * out) uses the given output.
+    """
+    spec, mod, varlen, sinks = _split_call_kwargs(kwargs)
+    plan = get_plan(spec, mod, query, key, value, varlen, sinks, force_grad=True)
+    check_values(plan, query, key, varlen)
+    return plan.runner.backward_with_lse(query, key, value, out, lse, varlen, mod, sinks, grad_out)

@@ -148,11 +148,11 @@ def bucket(n: Optional[int]) -> Optional[int]:
 
 
 def signature(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen, mod: Any,
-              sinks: Optional[torch.Tensor]) -> tuple:
+              sinks: Optional[torch.Tensor], force_grad: bool = False) -> tuple:
     """The plan-cache key of a call (raises AttributeError/TypeError on non-tensors: the slow
     path then validates and names the bad argument)."""
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (sinks is not None and sinks.requires_grad))
+    grad = force_grad or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                       or (sinks is not None and sinks.requires_grad)))
     align = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
     msig = _mod_sig(mod)
     if msig and not grad and torch.is_grad_enabled():
@@ -233,17 +233,18 @@ def plan_info() -> dict:
 
 
 def get_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
-             sinks: Optional[torch.Tensor] = None) -> CallPlan:
-    """The plan for this call: cached by signature, made (validated, backend chosen) on a miss."""
+             sinks: Optional[torch.Tensor] = None, force_grad: bool = False) -> CallPlan:
+    """The plan for this call: cached by signature, made (validated, backend chosen) on a miss.
+    force_grad: plan for a backward even when no input requires grad (explicit backward calls)."""
     try:
-        key = signature(spec, q, k, v, varlen, mod, sinks)
+        key = signature(spec, q, k, v, varlen, mod, sinks, force_grad)
     except (AttributeError, TypeError):
         key = None
     if key is not None:
         plan = PLANS.get(key)
         if plan is not None:
             return plan
-    plan = _make_plan(spec, mod, q, k, v, varlen, sinks)
+    plan = _make_plan(spec, mod, q, k, v, varlen, sinks, force_grad)
     if key is not None:
         PLANS.put(key, plan)
     return plan
@@ -253,7 +254,7 @@ def get_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varl
 
 
 def _static_problem(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
-                    sinks: Optional[torch.Tensor]) -> StaticProblem:
+                    sinks: Optional[torch.Tensor], force_grad: bool = False) -> StaticProblem:
     """Every signature-level check of `dot_product_attention`'s tensors (ValueError/TypeError)."""
     fmt = spec.qkv_format
     V.check_qkv(q, k, v, fmt)
@@ -272,8 +273,8 @@ def _static_problem(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varle
     if mod is not None:
         mod.check(device=q.device, batch=batch, heads=ql[1], seqlen_q=structure.check_q, seqlen_kv=structure.check_kv)
     has_sinks = V.check_sinks(spec.softmax_type, sinks, ql[1], q.device)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (sinks is not None and sinks.requires_grad))
+    grad = force_grad or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                       or (sinks is not None and sinks.requires_grad)))
     msig = _mod_sig(mod)
     if msig and torch.is_grad_enabled() and any(s[-1] for s in msig):
         grad = True
@@ -294,8 +295,8 @@ def _backends():
 
 
 def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
-               sinks: Optional[torch.Tensor]) -> CallPlan:
-    problem = _static_problem(spec, mod, q, k, v, varlen, sinks)
+               sinks: Optional[torch.Tensor], force_grad: bool = False) -> CallPlan:
+    problem = _static_problem(spec, mod, q, k, v, varlen, sinks, force_grad)
     backend, reason, runner = _backends().choose(problem)
     if backend == "reference" and problem.device.type == "cuda" and spec.backend == "auto":
         warnings.warn(f"fused_attn: backend='auto' runs this call on the reference backend (PyTorch math, slow): "

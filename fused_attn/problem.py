@@ -66,6 +66,10 @@ class AttentionProblem:
         cu_seqlens_*[b]. max_seqlen_q / max_seqlen_kv are host ints >= every length.
 
     sinks: (H,) logits of one extra key per head with no value (attention sinks), or None.
+    fixed_lse: a given log-sum-exp (B, H, Sq) / (H, Tq) — the reference then computes the
+    *partial* attention exp(score - fixed_lse) V and the row sums of those weights (used to
+    differentiate one chunk of a larger attention whose normalizer is known, e.g. context
+    parallelism), instead of the softmax.
 
     Outputs: out has the query's format with Dv (contiguous in that format);
     lse is fp32 (B, H, Sq) for dense and (H, Tq) for thd (sink included), -inf on rows with no
@@ -90,6 +94,7 @@ class AttentionProblem:
     return_lse: bool = False
     deterministic: bool = False
     sinks: Optional[torch.Tensor] = None
+    fixed_lse: Optional[torch.Tensor] = None
 
     @property
     def is_packed(self) -> bool:

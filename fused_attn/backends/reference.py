@@ -94,6 +94,30 @@ class ReferenceRunner:
         state = (varlen, mod, sinks, tuple(n for n, _ in extras))
         return self.backward(state, (q, k, v) + tuple(t for _, t in extras), grad_out)
 
+    def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
+        """Gradients of a call whose output `out` and log-sum-exp `lse` (dense (B, H, Sq), thd
+        (H, Tq)) may span more keys than k, v hold (one chunk of a larger attention): the
+        partial weights exp(score - lse) give dV = P^T dO and dS = P * (dP - rowsum(dO * out))."""
+        extras = _grad_tensors(mod, sinks)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        extra = [t.detach().requires_grad_(True) for _, t in extras]
+        named = dict(zip((n for n, _ in extras), extra))
+        sink_leaf = named.pop(_SINKS, sinks)
+        if named:
+            mod = mod.bind(**named)
+        row_dot = (grad_out.float() * out.float()).sum(-1)  # the query's format without D
+        if self.perm is not None:
+            row_dot = row_dot.permute(self.perm[:3])  # -> (B, H, Sq)
+        else:
+            row_dot = row_dot.t()  # (Tq, H) -> (H, Tq)
+        problem = dataclasses.replace(self._problem(*leaves, varlen, mod, sink_leaf), fixed_lse=lse.detach())
+        with torch.enable_grad(), _autograd_dispatch():
+            partial, weights = _compute(problem)
+            loss = (grad_out.to(partial.dtype) * partial).sum() - (row_dot.to(weights.dtype) * weights).sum()
+            wrt = leaves + extra
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        return tuple(torch.zeros_like(t) if g is None else _like(g, t) for g, t in zip(grads, wrt))
+
     def backward(self, state, saved, grad_out):
         varlen, mod, sinks, names = state
         q, k, v = saved[:3]
@@ -206,6 +230,8 @@ def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionP
     acc, dev = _acc_dtype(q.dtype), q.device
     if sq == 0 or skv == 0:
         out = torch.zeros((batch, heads, sq, dv), dtype=acc, device=dev)
+        if problem.fixed_lse is not None:  # partial mode: no key, no weight
+            return out, torch.zeros((batch, heads, sq), dtype=acc, device=dev)
         lse = torch.full((batch, heads, sq), -math.inf, dtype=torch.float32, device=dev)
         if problem.sinks is not None:
             lse = problem.sinks.detach().float().view(1, heads, 1).expand(batch, heads, sq).clone()
@@ -232,7 +258,10 @@ def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionP
         allowed = _allowed(problem.band, q_idx, kv_idx, q_len, kv_len, lengths)
         if allowed is not None:
             s = s.masked_fill(~allowed, -math.inf)
-        p, lse = _softmax(s, sink)
+        if problem.fixed_lse is None:
+            p, lse = _softmax(s, sink)
+        else:
+            p, lse = _partial_weights(s, problem.fixed_lse[:, :, start:stop], sink)
         pg = p.view(batch, hkv, group * n, skv)
         o = torch.matmul(pg, v_finite).view(batch, heads, n, dv)
         if v_bad is not None:
@@ -265,6 +294,19 @@ def _allowed(band: Optional[Band], q_idx: torch.Tensor, kv_idx: torch.Tensor, q_
     return allowed
 
 
+def _partial_weights(s: torch.Tensor, lse: torch.Tensor,
+                     sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Weights exp(s - lse) under a given normalizer lse (..., n) and their row sums (the
+    sink's weight included when given); rows with lse -inf weigh nothing."""
+    lse = lse.to(s.dtype).unsqueeze(-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
+    p = torch.exp(s - safe)
+    total = p.sum(dim=-1)
+    if sink is not None:
+        total = total + torch.exp(sink - safe).squeeze(-1)
+    return p, total
+
+
 def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Row softmax and fp32 log-sum-exp of s (..., Skv), with an optional sink logit per row
     (broadcast (1, H, 1, 1)) that takes probability mass but has no value. Rows of -inf (and no
@@ -293,6 +335,7 @@ def _packed(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor]:
     cu_q, cu_kv, off_q, off_kv = torch.stack([r.to(torch.int64) for r in rows]).tolist()
     outs: List[torch.Tensor] = []
     lses: List[torch.Tensor] = []
+    gap = -math.inf if problem.fixed_lse is None else 0.0  # rows between sequences: lse -inf, or no weight
     end = 0
     for b in range(len(cu_q) - 1):
         lq, lkv = cu_q[b + 1] - cu_q[b], cu_kv[b + 1] - cu_kv[b]
@@ -300,20 +343,23 @@ def _packed(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor]:
             continue
         if off_q[b] > end:
             outs.append(torch.zeros((off_q[b] - end, heads, dv), dtype=acc, device=dev))
-            lses.append(torch.full((heads, off_q[b] - end), -math.inf, dtype=torch.float32, device=dev))
+            lses.append(torch.full((heads, off_q[b] - end), gap, dtype=torch.float32, device=dev))
         qb = q[off_q[b]:off_q[b] + lq].transpose(0, 1).unsqueeze(0)
         kb = k[off_kv[b]:off_kv[b] + lkv].transpose(0, 1).unsqueeze(0)
         vb = v[off_kv[b]:off_kv[b] + lkv].transpose(0, 1).unsqueeze(0)
         b_idx = torch.full((1, 1, 1, 1), b, dtype=torch.int64, device=dev)
         q_len = torch.full((1, 1, 1, 1), lq, dtype=torch.int64, device=dev)
         kv_len = torch.full((1, 1, 1, 1), lkv, dtype=torch.int64, device=dev)
-        o, lse = _core(qb, kb, vb, problem, b_idx, q_len, kv_len, lengths=False)
+        sub = problem
+        if problem.fixed_lse is not None:
+            sub = dataclasses.replace(problem, fixed_lse=problem.fixed_lse[:, off_q[b]:off_q[b] + lq].unsqueeze(0))
+        o, lse = _core(qb, kb, vb, sub, b_idx, q_len, kv_len, lengths=False)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
         end = off_q[b] + lq
     if end < tq:
         outs.append(torch.zeros((tq - end, heads, dv), dtype=acc, device=dev))
-        lses.append(torch.full((heads, tq - end), -math.inf, dtype=torch.float32, device=dev))
+        lses.append(torch.full((heads, tq - end), gap, dtype=torch.float32, device=dev))
     out = torch.cat(outs, dim=0).to(q.dtype) if outs else q.new_zeros((0, heads, dv))
     lse = torch.cat(lses, dim=1) if lses else torch.zeros((heads, 0), dtype=torch.float32, device=dev)
     return out, lse

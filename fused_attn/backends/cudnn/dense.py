@@ -151,6 +151,12 @@ class DenseRunner:
         saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
         return out, lse, saved, (bind, seqs, bias is not None, sinks is not None)
 
+    def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
+        """Gradients from a given output and fp32 lse (B, H, Sq), e.g. of a larger attention this
+        call is one key chunk of: cuDNN's backward reads exactly these (O, Stats)."""
+        stats = lse.detach().to(torch.float32).contiguous().view(self.stats_shape)
+        return self.backward_call(q, k, v, out, stats, varlen, mod, sinks, grad_out)
+
     def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
         """The backward from the call's arguments (the custom-op path, which keeps no state)."""
         (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks)

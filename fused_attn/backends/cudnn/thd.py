@@ -91,6 +91,12 @@ class ThdRunner:
             bind["sink"] = self.sinks(sinks)
         return (q, k, v), bind, thd
 
+    def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
+        """Gradients from a given output and packed fp32 lse (H, Tq) (see DenseRunner)."""
+        (_, _, _), _, thd = self._bind(q, k, v, varlen, mod, sinks)
+        stats = VL.scatter_lse(lse.detach().to(torch.float32), thd, self.stats_shape)
+        return self.backward_call(q, k, v, out, stats, varlen, mod, sinks, grad_out)
+
     def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
         """The backward from the call's arguments (the custom-op path, which keeps no state)."""
         (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks)

@@ -22,7 +22,7 @@ import torch
 from ...memo import BoundedMemo
 
 __all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "gather_lse", "check_offset_range",
-           "MIN_SEQ_BUCKET"]
+           "scatter_lse", "MIN_SEQ_BUCKET"]
 
 MIN_SEQ_BUCKET = 64
 _INT32_MAX = 2**31 - 1
@@ -165,16 +165,30 @@ def _assert_valid(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool
 
 def gather_lse(stats: torch.Tensor, thd: ThdBatch, total_tokens: int) -> torch.Tensor:
     """Packed LSE (H, Tq) fp32 from padded Stats (B_bucket, H, S_bucket, 1); -inf off real tokens."""
-    tok = thd.tok_q.to(torch.int64)
-    bb = stats.shape[0]
-    t = torch.arange(total_tokens, device=stats.device)
-    b = torch.searchsorted(tok[1:], t, right=True).clamp_(max=bb - 1)
-    i = t - tok[b]
-    valid = (i >= 0) & (i < thd.seq_q.view(-1).to(torch.int64)[b])
-    i = i.clamp(0, stats.shape[2] - 1)
+    b, i, valid = _token_index(thd, total_tokens, stats.shape[0], stats.shape[2])
     lse = stats[b, :, i, 0]  # (Tq, H)
     lse = lse.masked_fill(~valid[:, None], float("-inf"))
     return lse.t().contiguous()
+
+
+def _token_index(thd: ThdBatch, total_tokens: int, buckets: int, rows: int):
+    """(b, i, valid) of each packed query token: its sequence, its position in it, and
+    whether it is a real token (not a gap)."""
+    tok = thd.tok_q.to(torch.int64)
+    t = torch.arange(total_tokens, device=tok.device)
+    b = torch.searchsorted(tok[1:], t, right=True).clamp_(max=buckets - 1)
+    i = t - tok[b]
+    valid = (i >= 0) & (i < thd.seq_q.view(-1).to(torch.int64)[b])
+    return b, i.clamp(0, rows - 1), valid
+
+
+def scatter_lse(lse: torch.Tensor, thd: ThdBatch, stats_shape: tuple) -> torch.Tensor:
+    """Padded Stats (B_bucket, H, S_bucket, 1) fp32 from a packed lse (H, Tq): the inverse of
+    `gather_lse` (positions that are no token hold -inf)."""
+    stats = torch.full(stats_shape, float("-inf"), dtype=torch.float32, device=lse.device)
+    b, i, valid = _token_index(thd, lse.shape[1], stats_shape[0], stats_shape[2])
+    stats[b[valid], :, i[valid], 0] = lse.t()[valid]
+    return stats
 
 
 def token_rows_of_empty_kv(thd: ThdBatch, total_tokens: int) -> torch.Tensor:
