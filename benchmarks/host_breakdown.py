@@ -67,8 +67,9 @@ def main() -> None:
         handle = runtime.handle_for(0)
         ws = runtime.workspace_for(0, runtime.current_stream(0), compiled.workspace_size)
         arr = (ctypes.c_int64 * len(order))(*[bind[s].data_ptr() for s in order])
-        addr, n, wsp, hp = ctypes.addressof(arr), len(order), ws.data_ptr(), handle.backend_handle
-        rows["lowered._execute_with_raw_ptrs alone"] = lambda: lowered._execute_with_raw_ptrs(addr, n, wsp, hp, index)
+        addr, slots, wsp, hp = ctypes.addressof(arr), len(order), ws.data_ptr(), handle.backend_handle
+        rows["lowered._execute_with_raw_ptrs alone"] = lambda: lowered._execute_with_raw_ptrs(addr, slots, wsp, hp,
+                                                                                              index)
         rows["ctypes pointer array (5 data_ptr)"] = lambda: (ctypes.c_int64 * len(order))(
             *[bind[s].data_ptr() for s in order])
     else:
@@ -79,8 +80,8 @@ def main() -> None:
     rows["module fwd+bwd"] = lambda: module(qg, kg, vg).backward(do)
     rows["functional fwd (grad inputs, no bwd)"] = lambda: fused_attn.dot_product_attention(qg, kg, vg, backend="cudnn")
     for name, fn in rows.items():
-        n = 1000 if "bwd" in name else 3000
-        lines.append(f"{name:45s} {us(fn, n):8.2f} us")
+        calls = 1000 if "bwd" in name else 3000
+        lines.append(f"{name:45s} {us(fn, calls):8.2f} us")
     for name in ("functional fwd", "module fwd+bwd", "functional fwd+bwd"):
         pr = cProfile.Profile()
         fn = rows[name]

@@ -98,6 +98,15 @@ def _bound_mod(spec: AttentionSpec, scalars: torch.Tensor, tensors: Sequence[tor
     return rebind(dict(zip(names_s, (float(x) for x in scalars.tolist()))), dict(zip(names_t, tensors)))
 
 
+def _structure_mod(spec: AttentionSpec, tensors: Sequence[torch.Tensor]) -> Any:
+    """The template bound to these (possibly fake) tensor parameters and its own float values:
+    enough for shape decisions, no data read (fake implementations)."""
+    template = spec.score_mod
+    if template is None or not template.tensors():
+        return template
+    return template.rebind(template.scalars(), dict(zip(template.tensors(), tensors)))
+
+
 def _plan(spec_key_: str, query, key, value, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, sinks, scalars, tensors):
     spec = lookup_spec(spec_key_)
     mod = _bound_mod(spec, scalars, tensors)
@@ -142,27 +151,17 @@ def _attn_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_
 
         b, h, s, _ = logical_shape(query, spec.qkv_format)
         lse = query.new_empty((b, h, s), dtype=torch.float32)
-    saved = query.new_empty(_saved_shape(spec, query, key, value, cu_seqlens_q, max_seqlen_q, max_seqlen_kv),
-                            dtype=torch.float32)
+    saved_shape = (0,)
+    if spec.backend == "cudnn":
+        from .backends.cudnn import saved_shape as cudnn_saved_shape
+        from .plan import _static_problem
+
+        mod = _structure_mod(spec, score_mod_tensors)
+        varlen = Varlen(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
+                        max_seqlen_kv)
+        saved_shape = cudnn_saved_shape(_static_problem(spec, mod, query, key, value, varlen, sinks))
+    saved = query.new_empty(saved_shape, dtype=torch.float32)
     return out, lse, saved
-
-
-def _saved_shape(spec: AttentionSpec, query, key, value, cu_q, max_q, max_kv) -> Tuple[int, ...]:
-    if spec.backend != "cudnn":
-        return (0,)
-    from .layouts import logical_shape
-    from .plan import bucket
-
-    h = query.shape[-2]
-    if not spec.is_packed:
-        b, _, s, _ = logical_shape(query, spec.qkv_format)
-        return (b, h, s, 1)
-    from .backends.cudnn.varlen import bucket_batch
-
-    sq, skv = bucket(max_q), bucket(max_kv)
-    if spec.band is not None and spec.band.bottom_right:
-        sq = max(sq, skv)
-    return (bucket_batch(cu_q.shape[0] - 1), h, sq, 1)
 
 
 @torch.library.custom_op("fused_attn::attn_bwd", mutates_args=())

@@ -232,7 +232,7 @@ def test_grad_strides_follow_input_memory_order():
 
 def test_buckets():
     assert [varlen.bucket_batch(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
-    assert [varlen.bucket_seqlen(n) for n in (0, 1, 63, 64, 65, 1792, 4096)] == [64, 64, 64, 64, 128, 2048, 4096]
+    assert [varlen.bucket_seqlen(n) for n in (0, 1, 63, 64, 65, 128, 129, 1792, 4096)] == [128, 128, 128, 128, 128, 128, 256, 2048, 4096]
 
 
 def make_thd(lens_q, lens_kv, padded_gap=0):
@@ -325,10 +325,10 @@ def static_problem(fmt="bshd", dtype=torch.bfloat16, d=64, dv=64, device="cpu", 
 
 
 def test_bottom_right_thd_shares_one_seq_bucket():
-    p = static_problem("thd", lens=([100, 3], [10, 20]), attn_mask_type="causal_bottom_right")
-    assert backend.saved_shape(p) == (2, 2, 128, 1)
-    p2 = static_problem("thd", lens=([100, 3], [10, 20]))
-    assert (p2.seqlen_q, p2.seqlen_kv) == (128, 64) and backend.saved_shape(p2) == (2, 2, 128, 1)
+    p = static_problem("thd", lens=([200, 3], [10, 20]), attn_mask_type="causal_bottom_right")
+    assert backend.saved_shape(p) == (2, 2, 256, 1)
+    p2 = static_problem("thd", lens=([200, 3], [10, 20]))
+    assert (p2.seqlen_q, p2.seqlen_kv) == (256, 128) and backend.saved_shape(p2) == (2, 2, 256, 1)
 
 
 # ----------------------------------------------------------------------------- refusals

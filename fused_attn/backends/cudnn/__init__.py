@@ -32,6 +32,8 @@ def refusal(problem: Any) -> Optional[str]:
     for name, dim in (("query/key", problem.head_dim), ("value", problem.head_dim_v)):
         if dim % 8 != 0 or dim > _MAX_HEAD_DIM:
             return f"the cuDNN backend needs a {name} head dim that is a multiple of 8 and <= {_MAX_HEAD_DIM}, got {dim}"
+    if problem.seqlen_kv == 0 or problem.seqlen_q == 0:
+        return "cuDNN graphs need at least one query and one key position (Sq or Skv is 0)"
     band = spec.band
     if (band is not None and band.bottom_right and spec.padding and problem.seqlen_q > problem.seqlen_kv):
         return (f"cuDNN's bottom-right band needs Sq <= Skv with padded batches, got Sq={problem.seqlen_q} > "
@@ -65,7 +67,15 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
                     "own band next to a score_mod and computes per-sequence offsets wrongly")
     split = split_bias(mod)
     bias_name = None if split is None else split[1]
+    axes = _tensor_axes(mod)
     for name, shape, _stride, dtype, _device, requires_grad in problem.mod_tensors:
+        if problem.is_packed and "b" in axes.get(name, ()) and shape[0] != 1:
+            return (f"score_mod tensor parameter {name!r} is indexed by the batch (sequence) index on a packed (thd) "
+                    "batch: cuDNN's engines read per-sequence graph inputs wrongly in ragged graphs (measured)")
+        if (requires_grad and problem.needs_grad and name == bias_name and split[0] is not None):
+            return (f"score_mod tensor parameter {name!r} requires grad next to another score_mod term: cuDNN's dBias "
+                    "is wrong when the graph also has a score_mod callback (measured on cuDNN 9.19); train the bias "
+                    "alone (post_scale_bias) or use backend='reference'")
         if problem.is_packed and len(shape) >= 2 and name == bias_name:
             return (f"score_mod tensor parameter {name!r} indexes query/key positions of a packed (thd) batch; "
                     "pass it through a dense (padded) batch or use backend='reference'")
@@ -77,6 +87,20 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
     return None
 
 
+def _tensor_axes(mod: Any) -> dict:
+    """{tensor parameter name: the index axes it is read at} of a traced mod ({} otherwise)."""
+    root = getattr(mod, "root", None)
+    if root is None:
+        return {}
+    from score_mods import expr
+
+    out: dict = {}
+    for n in expr.topo_order(root):
+        if n.op == "tparam":
+            out.setdefault(n.attr[0], set()).update(a for a in n.attr[1] if isinstance(a, str))
+    return out
+
+
 def make_runner(problem: Any) -> Any:
     """The runner serving `problem` on cuDNN (graphs built now)."""
     backend_version = version.check()
@@ -84,13 +108,31 @@ def make_runner(problem: Any) -> Any:
         from .thd import ThdRunner
 
         return ThdRunner(problem, backend_version)
+    if _padded_as_thd(problem):
+        from .padded import PaddedAsThdRunner
+
+        return PaddedAsThdRunner(problem, backend_version)
     from .dense import DenseRunner
 
     return DenseRunner(problem, backend_version)
 
 
+def _padded_as_thd(problem: Any) -> bool:
+    """Dense padded plans run as packed sequences whenever the packed path can serve them."""
+    if not problem.spec.padding:
+        return False
+    from .padded import thd_problem
+
+    return refusal(thd_problem(problem)) is None
+
+
 def saved_shape(problem: Any) -> Tuple[int, ...]:
-    """The fp32 Stats shape a runner saves: (B, H, Sq, 1), or (B_bucket, H, S_bucket, 1) for thd."""
+    """The fp32 Stats shape a runner saves: (B, H, Sq, 1), or (B_bucket, H, S_bucket, 1) for thd
+    (and for dense padded plans, which run as packed sequences)."""
+    if _padded_as_thd(problem):
+        from .padded import thd_problem
+
+        problem = thd_problem(problem)
     if not problem.is_packed:
         return (problem.batch, problem.heads, problem.seqlen_q, 1)
     from .varlen import bucket_batch

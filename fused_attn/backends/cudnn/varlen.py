@@ -2,7 +2,7 @@
 
 A packed batch of B sequences runs on a graph built for (B_bucket, H, S_bucket, D):
 B_bucket = next power of two >= B (extra sequences have length 0 and repeat the last offset),
-S_bucket = next power of two >= max_seqlen, at least 64. So a training run with random lengths
+S_bucket = next power of two >= max_seqlen, at least 128. So a training run with random lengths
 builds a handful of graphs (the graph key never holds the token count or the exact max_seqlen).
 
 Per call (`prepare`), from cu_seqlens and the padded offsets, in a few device ops and no host
@@ -24,7 +24,7 @@ from ...memo import BoundedMemo
 __all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "gather_lse", "check_offset_range",
            "scatter_lse", "MIN_SEQ_BUCKET"]
 
-MIN_SEQ_BUCKET = 64
+MIN_SEQ_BUCKET = 128  # cuDNN's key tiles are 128 wide; 64 would also be a key length 64 mod 128 (see DESIGN)
 _INT32_MAX = 2**31 - 1
 
 
