@@ -26,16 +26,20 @@ class Graphs:
     (looked up per call, so evicting a graph really frees it) and are rebuilt on a miss."""
 
     def __init__(self, fwd: GraphKey, bwd: Optional[GraphKey], lowering_mod: Any,
-                 operand_templates: Dict[str, torch.Tensor], device_index: int) -> None:
+                 operand_templates: Dict[str, torch.Tensor], device_index: int,
+                 bwd_lowering: Optional[Tuple[Any, Dict[str, torch.Tensor]]] = None) -> None:
         self.keys = {"fwd": fwd, "bwd": bwd}
-        self.mod = lowering_mod
-        self.templates = {n[3:]: t for n, t in operand_templates.items() if n.startswith("sm:")}
+        fwd_parts = (lowering_mod, _templates(operand_templates))
+        self.parts = {"fwd": fwd_parts,
+                      "bwd": fwd_parts if bwd_lowering is None else (bwd_lowering[0], _templates(bwd_lowering[1]))}
         self.device_index = device_index
 
-    def _builder(self, key: GraphKey) -> Callable[[], CompiledGraph]:
+    def _builder(self, direction: str, key: GraphKey) -> Callable[[], CompiledGraph]:
+        mod, templates = self.parts[direction]
+
         def make() -> CompiledGraph:
             with torch.cuda.device(key.device_index):
-                return build(key, self.mod, self.templates, runtime.handle_for(key.device_index))
+                return build(key, mod, templates, runtime.handle_for(key.device_index))
 
         return make
 
@@ -43,7 +47,7 @@ class Graphs:
         key = self.keys[direction]
         if key is None:
             raise RuntimeError("this call plan was made without gradients; no backward graph")  # pragma: no cover
-        return GRAPH_CACHE.get_or_build(key, self._builder(key))
+        return GRAPH_CACHE.get_or_build(key, self._builder(direction, key))
 
     def build_all(self) -> None:
         """Build (or find) every graph of the plan now: a graph cuDNN declines refuses the plan."""
@@ -59,6 +63,10 @@ class Graphs:
 
     def run(self, direction: str, bind: Dict[str, Any]) -> None:
         runtime.execute(self.get(direction), bind, self.device_index)
+
+
+def _templates(operands: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {n[3:]: t for n, t in operands.items() if n.startswith("sm:")}
 
 
 def check_runtime_tensors(fmt: str, *tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:

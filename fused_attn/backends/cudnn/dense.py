@@ -12,6 +12,7 @@ format with Dv (contiguous); Stats fp32 (B, H, Sq, 1) = the log-sum-exp; lse = S
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -89,18 +90,67 @@ class DenseRunner:
         common = dict(dtype=str(p.dtype).replace("torch.", ""), q_dims=self.dims[0], k_dims=self.dims[1],
                       v_dims=self.dims[2], q_strides=in_strides[0], k_strides=in_strides[1],
                       v_strides=in_strides[2], o_strides=o_strides, scale=None, band=self.lowering.band,
-                      padding=self.padding and not self.has_mod, ragged=False,
+                      padding=self.padding, ragged=False,
                       score_mod=None if not self.has_mod else self.lowering.graph_mod.cache_key,
                       operands=operand_description(operands), device_index=self.dev, backend_version=version,
                       bias=bias_desc, sinks=self.sinks is not None)
         fwd_key = GraphKey(direction="fwd", deterministic=False, **common)
         bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
-        self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev)
+        self.kv_pad, bwd_lowering = 0, None
+        if p.needs_grad and not self.padding and skv % 128 == 64 and (self.has_mod or bias is not None):
+            bwd_key, bwd_lowering = self._padded_backward(common, bias_desc, version)
+        self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev, bwd_lowering)
         self.graphs.build_all()
+
+    def _padded_backward(self, common: dict, bias_desc: Optional[tuple], version: int):
+        """cuDNN 9.19's backward writes NaN into dQ when the key length is 64 mod 128 and a row's
+        lse is below about -88.7 (reachable through a bias or a score_mod; fixed in cuDNN 9.26).
+        Measured exact instead: keys padded by 64 to a multiple of 128 and masked past the real
+        length (cuDNN's padding mask, or the padding score_mod next to a score_mod). The forward
+        is unaffected and stays unpadded; the backward copies K, V (and the bias) into padded
+        buffers."""
+        from ...plan import Refusal
+
+        spec, p = self.static.spec, self.static
+        if self.has_mod and self.lowering.user_mod is not None and self.lowering.user_mod.needs_host_lengths:
+            raise Refusal("a key length 64 mod 128 with a score_mod that folds q_len / kv_len: cuDNN 9.19's backward "
+                          "can write NaN into dQ there, and the padded formulation cannot fold the lengths")
+        b, h, sq, d = self.dims[0]
+        hkv, skv, dv = self.dims[1][1], self.dims[1][2], self.dims[2][3]
+        self.kv_pad = 64
+        skv2 = skv + 64
+        padded_spec = dataclasses.replace(spec, padding=True)
+        self.bwd_lowering = L.plan_lowering(padded_spec, spec.score_mod, sq, skv2, has_lengths=True)
+        dims = ((b, hkv, skv2, d), (b, hkv, skv2, dv))
+        strides = tuple(normalized(dm, _logical_strides(self.fmt, _contiguous_strides(_format_shape(self.fmt, dm))))
+                        for dm in dims)
+        self.padded_shapes = tuple(_format_shape(self.fmt, dm) for dm in dims)
+        self.seq_axis = _format_axis(self.fmt, 2)
+        dev = self.static.device
+        self.full_lengths = (torch.full((b, 1, 1, 1), sq, dtype=torch.int32, device=dev),
+                             torch.full((b, 1, 1, 1), skv, dtype=torch.int32, device=dev))
+        operands = self._operands(spec.score_mod, backward=True)
+        bwd_mod = self.bwd_lowering.graph_mod
+        if bias_desc is not None:
+            shape = bias_desc[0][:3] + (skv2,)
+            bias_desc = (shape, normalized(shape, _contiguous_strides(shape)), bias_desc[2], bias_desc[3])
+        key = GraphKey(direction="bwd", deterministic=spec.deterministic,
+                       **{**common, "k_dims": dims[0], "v_dims": dims[1], "k_strides": strides[0],
+                          "v_strides": strides[1], "band": self.bwd_lowering.band, "padding": True,
+                          "score_mod": None if bwd_mod is None else bwd_mod.cache_key,
+                          "operands": operand_description(operands), "bias": bias_desc})
+        del p, version
+        return key, (bwd_mod, operands)
 
     # ------------------------------------------------------------------ per call
 
-    def _operands(self, mod: Any) -> Dict[str, torch.Tensor]:
+    def _operands(self, mod: Any, backward: bool = False) -> Dict[str, torch.Tensor]:
+        if backward and self.kv_pad:
+            ops = L.mod_operands(self.bwd_lowering, mod, self.dims[0][2], self.dims[1][2] + self.kv_pad,
+                                 has_lengths=True)
+            ops = {f"sm:{k}": t for k, t in ops.items()}
+            ops["attn_scale"] = self.scale
+            return ops
         ops = L.mod_operands(self.lowering, mod, self.dims[0][2], self.dims[1][2], has_lengths=self.padding)
         ops = {f"sm:{k}": t for k, t in ops.items()}
         ops["attn_scale"] = self.scale
@@ -161,7 +211,7 @@ class DenseRunner:
         """The backward from the call's arguments (the custom-op path, which keeps no state)."""
         (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks)
         saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
-        return self.backward((bind, seqs, bias is not None, sinks is not None), saved, grad_out)
+        return self.backward((bind, seqs, bias is not None, sinks is not None, mod), saved, grad_out)
 
     def _clear_rows(self, out: torch.Tensor, stats: torch.Tensor, seqs) -> None:
         """Padded batches: rows past a query length are 0 with lse -inf (cuDNN's padding mask
@@ -178,10 +228,12 @@ class DenseRunner:
             stats.masked_fill_(empty, float("-inf"))
 
     def backward(self, state, saved, grad_out):
-        bind_fwd, seqs, has_bias, has_sinks = state
+        bind_fwd, seqs, has_bias, has_sinks, mod = state
         q, k, v, out, stats = saved[:5]
         extra = list(saved[5:])
         d_o = grad_output(grad_out, out)
+        if self.kv_pad:
+            return self._padded_backward_run(bind_fwd, mod, q, k, v, out, stats, extra, has_bias, has_sinks, d_o)
         grads = [torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
                  for t, st in zip((q, k, v), self.grad_strides)]
         if self.padding:  # rows past a length get no gradient, whatever the kernel leaves there
@@ -208,6 +260,49 @@ class DenseRunner:
                 gl = g.permute(_PERM[self.fmt])
                 gl.masked_fill_(torch.arange(gl.shape[2], device=g.device).view(1, 1, -1, 1) >= lens, 0.0)
         return tuple(grads) + tuple(extra_grads)
+
+
+    def _padded_backward_run(self, bind_fwd, mod, q, k, v, out, stats, extra, has_bias, has_sinks, d_o):
+        """The backward on keys padded by 64 (see _padded_backward)."""
+        skv = self.dims[1][2]
+        padded = []
+        for t, shape in zip((k, v), self.padded_shapes):
+            buf = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            buf.narrow(self.seq_axis, 0, skv).copy_(t)
+            padded.append(buf)
+        bind = self._operands(mod, backward=True)
+        bind.update(q=q, k=padded[0], v=padded[1], o=out, dO=d_o, stats=stats)
+        bind["seq_q"], bind["seq_kv"] = self.full_lengths
+        if self.sinks is not None:
+            bind["sink"] = bind_fwd["sink"]
+        dq = torch.empty_strided(q.shape, self.grad_strides[0], dtype=q.dtype, device=q.device)
+        dk_p, dv_p = (torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip((k, v), self.padded_shapes))
+        bind.update(dQ=dq, dK=dk_p, dV=dv_p)
+        extra_grads = []
+        d_bias = None
+        if has_bias:
+            bias = extra.pop(0)
+            src = bind_fwd["bias"]
+            shape = tuple(src.shape[:3]) + (skv + self.kv_pad,)
+            bias_p = torch.zeros(shape, dtype=src.dtype, device=src.device)
+            bias_p[..., :skv].copy_(src)
+            bind["bias"] = bias_p
+            if self.bias_grad:
+                d_bias = bind["dBias"] = torch.empty(shape, dtype=src.dtype, device=src.device)
+        if self.sinks is not None:
+            d_sink = bind["dSink"] = torch.empty((1, self.dims[0][1], 1, 1), dtype=torch.float32, device=q.device)
+        self.graphs.run("bwd", bind)
+        if has_bias:
+            extra_grads.append(None if d_bias is None else d_bias[..., :skv].to(bias.dtype))
+        if has_sinks:
+            extra_grads.append(d_sink.view(-1).to(extra.pop(0).dtype))
+        dk, dv = (g.narrow(self.seq_axis, 0, skv) for g in (dk_p, dv_p))
+        return (dq, dk, dv) + tuple(extra_grads)
+
+
+def _format_axis(fmt: str, logical_axis: int) -> int:
+    """The dim of a `fmt` tensor holding logical axis `logical_axis` of (B, H, S, D)."""
+    return _PERM[fmt][logical_axis]
 
 
 def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
