@@ -35,7 +35,8 @@ class GraphKey:
     (o_strides: the output's, which dO / the output buffer share). GQA is H != Hkv in the dims.
     scale: softmax scale baked in the graph, or None when it is a pass-by-value input (a new
     value then never rebuilds). bias: (dims, strides, dtype name, with dBias) of cuDNN's own bias
-    input or None. sinks: a (1, H, 1, 1) fp32 sink-logit input (and dSink in the backward). band: (left_bound, right_bound, bottom_right) in
+    input or None. sinks: a (1, H, 1, 1) fp32 sink-logit input (and dSink in the backward).
+    dropout: the attention dropout probability (seed and offset are per-call inputs). band: (left_bound, right_bound, bottom_right) in
     cuDNN's convention, or None. padding: use_padding_mask with seq_len tensors.
     ragged: thd (ragged offsets); the bucket sizes are in the dims.
     score_mod / operands: the mod's structural key and `describe_operands` of its graph inputs.
@@ -61,6 +62,7 @@ class GraphKey:
     backend_version: int = 0
     bias: Optional[tuple] = None
     sinks: bool = False
+    dropout: float = 0.0
     _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,7 +76,7 @@ class GraphKey:
             self.direction, self.dtype, self.q_dims, self.k_dims, self.v_dims, self.q_strides,
             self.k_strides, self.v_strides, self.o_strides, self.scale, self.band, self.padding,
             self.ragged, self.score_mod, self.operands, self.deterministic, self.device_index,
-            self.backend_version, self.bias, self.sinks,
+            self.backend_version, self.bias, self.sinks, self.dropout,
         )
 
     def __hash__(self) -> int:
@@ -99,6 +101,8 @@ class GraphKey:
             parts.append(f"bias{list(self.bias[0])} {self.bias[2]}{' + dBias' if self.bias[3] else ''}")
         if self.sinks:
             parts.append("sinks")
+        if self.dropout:
+            parts.append(f"dropout {self.dropout}")
         if self.deterministic:
             parts.append("deterministic")
         return ", ".join(parts)

@@ -224,6 +224,9 @@ def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     exp(score - lse), and D = rowsum(grad_out * out) uses the given output.
     """
     spec, mod, varlen, sinks = _split_call_kwargs(kwargs)
+    if spec.dropout_p:
+        raise NotImplementedError("attention_backward with dropout_p > 0: the backward needs the forward's dropout "
+                                  "mask, which attention_forward does not return; assemble pieces without dropout")
     plan = get_plan(spec, mod, query, key, value, varlen, sinks, force_grad=True)
     check_values(plan, query, key, varlen)
     return plan.runner.backward_with_lse(query, key, value, out, lse, varlen, mod, sinks, grad_out)

@@ -122,7 +122,8 @@ _OT = Optional[torch.Tensor]
 @torch.library.custom_op("fused_attn::attn_fwd", mutates_args=())
 def attn_fwd(query: _T, key: _T, value: _T, cu_seqlens_q: _OT, cu_seqlens_kv: _OT, cu_seqlens_q_padded: _OT,
              cu_seqlens_kv_padded: _OT, max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int], sinks: _OT,
-             score_mod_scalars: _T, score_mod_tensors: List[_T], spec_key: str) -> Tuple[_T, _T, _T]:
+             score_mod_scalars: _T, score_mod_tensors: List[_T], dropout_rng: _OT,
+             spec_key: str) -> Tuple[_T, _T, _T]:
     """(out in the query's format, lse fp32 (B, H, Sq) / (H, Tq) or an empty tensor, saved)."""
     from .functional import check_values
 
@@ -130,7 +131,7 @@ def attn_fwd(query: _T, key: _T, value: _T, cu_seqlens_q: _OT, cu_seqlens_kv: _O
                                     cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars,
                                     score_mod_tensors)
     check_values(plan, query, key, varlen)
-    out, lse, saved, _state = plan.runner.forward(query, key, value, varlen, mod, sinks)
+    out, lse, saved, _state = plan.runner.forward(query, key, value, varlen, mod, sinks, dropout_rng)
     stats = saved[4] if plan.backend == "cudnn" else query.new_empty((0,), dtype=torch.float32)
     lse = query.new_empty((0,), dtype=torch.float32) if lse is None else lse.clone()
     return out, lse, stats
@@ -138,7 +139,7 @@ def attn_fwd(query: _T, key: _T, value: _T, cu_seqlens_q: _OT, cu_seqlens_kv: _O
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                   max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, spec_key):
+                   max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, dropout_rng, spec_key):
     spec = lookup_spec(spec_key)
     out = query.new_empty(tuple(query.shape[:-1]) + (value.shape[-1],))
     packed = spec.is_packed
@@ -168,12 +169,12 @@ def _attn_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_
 def attn_bwd(grad_out: _T, query: _T, key: _T, value: _T, out: _T, saved: _T, cu_seqlens_q: _OT,
              cu_seqlens_kv: _OT, cu_seqlens_q_padded: _OT, cu_seqlens_kv_padded: _OT, max_seqlen_q: Optional[int],
              max_seqlen_kv: Optional[int], sinks: _OT, score_mod_scalars: _T, score_mod_tensors: List[_T],
-             spec_key: str) -> List[_T]:
+             dropout_rng: _OT, spec_key: str) -> List[_T]:
     """[dq, dk, dv, *grads of runner.grad_inputs (empty tensors where none)]."""
     spec, mod, varlen, plan = _plan(spec_key, query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                     cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars,
                                     score_mod_tensors)
-    grads = plan.runner.backward_call(query, key, value, out, saved, varlen, mod, sinks, grad_out)
+    grads = plan.runner.backward_call(query, key, value, out, saved, varlen, mod, sinks, grad_out, dropout_rng)
     inputs = [grad_out, query, key, value, out, saved]
     return [g.new_empty((0,)) if g is None else _fresh(g, inputs) for g in grads]
 
@@ -189,7 +190,7 @@ def _fresh(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
 @attn_bwd.register_fake
 def _attn_bwd_fake(grad_out, query, key, value, out, saved, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                    cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors,
-                   spec_key):
+                   dropout_rng, spec_key):
     spec = lookup_spec(spec_key)
     grads = [torch.empty_like(t) for t in (query, key, value)]
     for t in _differentiated(spec, score_mod_tensors, sinks):
@@ -224,10 +225,10 @@ def _grad_param_names(spec: AttentionSpec) -> set:
 
 def _setup_context(ctx, inputs, output) -> None:
     (query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
-     max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, spec_key) = inputs
+     max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, dropout_rng, spec_key) = inputs
     out, _lse, saved = output
     ctx.save_for_backward(query, key, value, out, saved, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-                          cu_seqlens_kv_padded, sinks, score_mod_scalars, *score_mod_tensors)
+                          cu_seqlens_kv_padded, sinks, score_mod_scalars, dropout_rng, *score_mod_tensors)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_kv)
     ctx.spec_key = spec_key
     ctx.n_tensors = len(score_mod_tensors)
@@ -235,11 +236,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_out, _grad_lse, _grad_saved):
     (query, key, value, out, saved, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, sinks,
-     score_mod_scalars, *score_mod_tensors) = ctx.saved_tensors
+     score_mod_scalars, dropout_rng, *score_mod_tensors) = ctx.saved_tensors
     max_seqlen_q, max_seqlen_kv = ctx.max_seqlens
     grads = attn_bwd(grad_out, query, key, value, out, saved, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                      cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors,
-                     ctx.spec_key)
+                     dropout_rng, ctx.spec_key)
     dq, dk, dv, *extra = grads
     spec = lookup_spec(ctx.spec_key)
     targets = _differentiated(spec, score_mod_tensors, sinks)
@@ -248,8 +249,8 @@ def _backward(ctx, grad_out, _grad_lse, _grad_saved):
     d_tensors = [by_id.get(id(t)) for t in score_mod_tensors]
     # One gradient per input, in the schema's order (None for non-differentiable arguments):
     # query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-    # max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, spec_key
-    return dq, dk, dv, None, None, None, None, None, None, d_sinks, None, d_tensors, None
+    # max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars, score_mod_tensors, dropout_rng, spec_key
+    return dq, dk, dv, None, None, None, None, None, None, d_sinks, None, d_tensors, None, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -309,6 +310,11 @@ def _template_scalars(key: str) -> tuple:
 
 
 @torch.compiler.assume_constant_result
+def _dropout_p(key: str) -> float:
+    return lookup_spec(key).dropout_p
+
+
+@torch.compiler.assume_constant_result
 def _returns_lse(key: str) -> bool:
     return lookup_spec(key).return_lse
 
@@ -325,7 +331,10 @@ def attention_by_key(key: str, mod: Any, query: torch.Tensor, key_t: torch.Tenso
         scalars, tensors = _scalars(mod), list(mod.tensors().values())
     else:
         scalars, tensors = torch.tensor(_template_scalars(key), dtype=torch.float64), []
+    rng = None
+    if _dropout_p(key):
+        rng = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=query.device)
     out, lse, _saved = attn_fwd(query, key_t, value, varlen.cu_seqlens_q, varlen.cu_seqlens_kv,
                                 varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded, varlen.max_seqlen_q,
-                                varlen.max_seqlen_kv, sinks, scalars, tensors, key)
+                                varlen.max_seqlen_kv, sinks, scalars, tensors, rng, key)
     return out, (lse if _returns_lse(key) else None)

@@ -70,6 +70,8 @@ class AttentionProblem:
     *partial* attention exp(score - fixed_lse) V and the row sums of those weights (used to
     differentiate one chunk of a larger attention whose normalizer is known, e.g. context
     parallelism), instead of the softmax.
+    dropout: (p, seed) — attention weights dropped with probability p and the kept ones scaled
+    by 1/(1-p), the mask drawn from a generator seeded with `seed` (so a recompute redraws it).
 
     Outputs: out has the query's format with Dv (contiguous in that format);
     lse is fp32 (B, H, Sq) for dense and (H, Tq) for thd (sink included), -inf on rows with no
@@ -95,6 +97,7 @@ class AttentionProblem:
     deterministic: bool = False
     sinks: Optional[torch.Tensor] = None
     fixed_lse: Optional[torch.Tensor] = None
+    dropout: Optional[tuple] = None
 
     @property
     def is_packed(self) -> bool:

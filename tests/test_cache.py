@@ -28,7 +28,7 @@ CHANGES = {
     "band": (None, 0, False), "padding": True, "ragged": True, "score_mod": ("softcap", 1),
     "operands": (("cap", (1, 1, 1, 1), (1, 1, 1, 1), "torch.float32", True),), "deterministic": True,
     "device_index": 1, "backend_version": 91900, "bias": ((1, 4, 128, 128), (65536, 16384, 128, 1), "float32", True),
-    "sinks": True,
+    "sinks": True, "dropout": 0.1,
 }
 
 

@@ -82,7 +82,7 @@ def naive(fmt, q, k, v, scale, cu=None, sm=None):
 def fwd_args(qkv, spec, mod, varlen):
     scalars = torch.tensor(list(mod.scalars().values()) if mod else [], dtype=torch.float64)
     return (*qkv, varlen.cu_seqlens_q, varlen.cu_seqlens_kv, None, None, varlen.max_seqlen_q, varlen.max_seqlen_kv,
-            None, scalars, [], ops.register_spec(spec))
+            None, scalars, [], None, ops.register_spec(spec))
 
 
 @pytest.mark.parametrize("make", [dense_call, thd_call])

@@ -284,3 +284,37 @@ def test_no_nan_dq_at_key_lengths_64_mod_128(skv, sq_equal, form):
     else:
         fn = lambda s, b, h, qi, ki: 30.0 * torch.tanh(s / 30.0) + b64[0, h, qi, ki]
     check_dense(out, grads, q, k, v, do, 0.125, None, fn)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_dropout_on_cudnn_is_reproducible_and_unbiased(fmt):
+    s, h, d, p = 128, 2, 64, 0.25
+    if fmt == "thd":
+        cu = torch.tensor([0, 60, 128], dtype=torch.int32, device="cuda")
+        kw = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=68, max_seqlen_kv=68)
+        shape = (s, h, d)
+        eye = torch.eye(64, device="cuda", dtype=DT)
+        eye_v = torch.cat([eye[:60], eye[:68]]).view(s, 1, 64).expand(s, h, 64).contiguous()
+    else:
+        kw = {}
+        shape = (1, s, h, d)
+        eye_v = None
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=DT, generator=g).requires_grad_() for _ in range(3))
+    do = torch.randn(*shape, device="cuda", dtype=DT, generator=g)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        out = fused_attn.dot_product_attention(q, k, v, dropout_p=p, backend="cudnn", **kw)
+        runs.append([out] + list(torch.autograd.grad(out, (q, k, v), do)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    plain = fused_attn.dot_product_attention(q, k, v, backend="cudnn", **kw).float()
+    assert not torch.equal(runs[0][0].float(), plain)
+    mean = torch.stack([fused_attn.dot_product_attention(q, k, v, dropout_p=p, backend="cudnn", **kw).float()
+                        for _ in range(300)]).mean(0)
+    assert (mean - plain).abs().mean() < 0.1 * plain.abs().mean()
+    if eye_v is not None:
+        w = fused_attn.dot_product_attention(q.detach(), k.detach(), eye_v, dropout_p=p, backend="cudnn", **kw)
+        nonzero = (w != 0).float().sum() / (60 * 60 + 68 * 68) / h
+        assert abs(nonzero.item() - (1 - p)) < 0.05

@@ -34,8 +34,6 @@ def refusal(problem) -> Optional[str]:
     if mod is not None and not mod.has_reference:
         return (f"score_mod {mod.name!r} has no eager reference (a raw cuDNN callback needs reference=... "
                 "to run on the reference backend)")
-    if problem.spec.dropout_p:
-        return "attention dropout is not implemented on the reference backend yet"
     return None
 
 
@@ -59,7 +57,15 @@ class ReferenceRunner:
         self.perm = None if spec.is_packed else _PERM[spec.qkv_format]
         self.off_by_one = spec.softmax_type == "off-by-one"
 
-    def _problem(self, q, k, v, varlen, mod, sinks) -> AttentionProblem:
+    def _seed(self, rng: Optional[torch.Tensor]) -> Optional[tuple]:
+        """(p, seed) of this call's dropout (seed from `rng`, or drawn from torch's CPU RNG)."""
+        p = self.static.spec.dropout_p
+        if not p:
+            return None
+        seed = int(rng[0]) if rng is not None else int(torch.randint(0, 2**62, (1,)).item())
+        return (p, seed)
+
+    def _problem(self, q, k, v, varlen, mod, sinks, dropout=None) -> AttentionProblem:
         spec, st = self.static.spec, self.static
         if self.off_by_one:
             sinks = torch.zeros(st.heads, dtype=torch.float32, device=q.device)
@@ -76,22 +82,25 @@ class ReferenceRunner:
             cu_seqlens_kv=varlen.cu_seqlens_kv if spec.is_packed else None,
             cu_seqlens_q_padded=varlen.cu_seqlens_q_padded, cu_seqlens_kv_padded=varlen.cu_seqlens_kv_padded,
             max_seqlen_q=st.seqlen_q, max_seqlen_kv=st.seqlen_kv, score_mod=mod, return_lse=True,
-            deterministic=spec.deterministic, sinks=sinks)
+            deterministic=spec.deterministic, sinks=sinks, dropout=dropout)
 
     def grad_inputs(self, mod, sinks) -> tuple:
         """The tensors besides q, k, v that the backward differentiates (in its order)."""
         return tuple(t for _, t in _grad_tensors(mod, sinks))
 
-    def forward(self, q, k, v, varlen, mod, sinks):
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None):
+        dropout = self._seed(rng)
         with torch.no_grad():
-            out, lse = _compute(self._problem(q, k, v, varlen, mod, sinks))
+            out, lse = _compute(self._problem(q, k, v, varlen, mod, sinks, dropout))
         extras = _grad_tensors(mod, sinks)
-        return out, lse, (q, k, v) + tuple(t for _, t in extras), (varlen, mod, sinks, tuple(n for n, _ in extras))
+        return out, lse, (q, k, v) + tuple(t for _, t in extras), (varlen, mod, sinks, tuple(n for n, _ in extras),
+                                                                    dropout)
 
-    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
-        """The backward from the call's arguments (the custom-op path, which keeps no state)."""
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
+        """The backward from the call's arguments (the custom-op path, which keeps no state;
+        `rng`: the forward's dropout seed)."""
         extras = _grad_tensors(mod, sinks)
-        state = (varlen, mod, sinks, tuple(n for n, _ in extras))
+        state = (varlen, mod, sinks, tuple(n for n, _ in extras), self._seed(rng))
         return self.backward(state, (q, k, v) + tuple(t for _, t in extras), grad_out)
 
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
@@ -119,7 +128,7 @@ class ReferenceRunner:
         return tuple(torch.zeros_like(t) if g is None else _like(g, t) for g, t in zip(grads, wrt))
 
     def backward(self, state, saved, grad_out):
-        varlen, mod, sinks, names = state
+        varlen, mod, sinks, names, dropout = state
         q, k, v = saved[:3]
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         extra = [t.detach().requires_grad_(True) for t in saved[3:]]
@@ -128,7 +137,7 @@ class ReferenceRunner:
         if named:
             mod = mod.bind(**named)
         with torch.enable_grad(), _autograd_dispatch():
-            out, _ = _compute(self._problem(*leaves, varlen, mod, sink_leaf))
+            out, _ = _compute(self._problem(*leaves, varlen, mod, sink_leaf, dropout))
             wrt = leaves + extra
             if not out.requires_grad:  # nothing attends (e.g. Skv = 0): zero gradients
                 return tuple(torch.zeros_like(t) for t in wrt)
@@ -210,8 +219,18 @@ def _compute(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor]:
         q_len = torch.full((batch, 1, 1, 1), q.shape[2], dtype=torch.int64, device=dev)
         kv_len = torch.full((batch, 1, 1, 1), k.shape[2], dtype=torch.int64, device=dev)
         lengths = False
-    out, lse = _core(q, k, v, problem, b_idx, q_len, kv_len, lengths)
+    out, lse = _core(q, k, v, problem, b_idx, q_len, kv_len, lengths, _generator(problem))
     return from_logical(out.to(q.dtype), problem.qkv_format).contiguous(), lse
+
+
+def _generator(problem: AttentionProblem) -> Optional[torch.Generator]:
+    """The dropout mask generator of a call (seeded, so the backward's recompute redraws the
+    forward's mask: the mask is drawn block by block in a fixed order)."""
+    if problem.dropout is None:
+        return None
+    gen = torch.Generator(device=problem.query.device)
+    gen.manual_seed(problem.dropout[1] % (2**63))
+    return gen
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -219,7 +238,8 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem, b_idx: torch.Tensor,
-          q_len: torch.Tensor, kv_len: torch.Tensor, lengths: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+          q_len: torch.Tensor, kv_len: torch.Tensor, lengths: bool,
+          gen: Optional[torch.Generator] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, Sq, D), k (B, Hkv, Skv, D), v (B, Hkv, Skv, Dv) -> out (B, H, Sq, Dv) acc dtype, lse (B, H, Sq) fp32.
 
     b_idx / q_len / kv_len: (B, 1, 1, 1) int64 (batch index seen by the score_mod, lengths);
@@ -262,6 +282,10 @@ def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionP
             p, lse = _softmax(s, sink)
         else:
             p, lse = _partial_weights(s, problem.fixed_lse[:, :, start:stop], sink)
+        if gen is not None:
+            prob = problem.dropout[0]
+            keep = torch.rand(p.shape, generator=gen, device=dev, dtype=acc) >= prob
+            p = p * keep.to(acc) / (1.0 - prob)
         pg = p.view(batch, hkv, group * n, skv)
         o = torch.matmul(pg, v_finite).view(batch, heads, n, dv)
         if v_bad is not None:
@@ -336,6 +360,7 @@ def _packed(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor]:
     outs: List[torch.Tensor] = []
     lses: List[torch.Tensor] = []
     gap = -math.inf if problem.fixed_lse is None else 0.0  # rows between sequences: lse -inf, or no weight
+    gen = _generator(problem)
     end = 0
     for b in range(len(cu_q) - 1):
         lq, lkv = cu_q[b + 1] - cu_q[b], cu_kv[b + 1] - cu_kv[b]
@@ -353,7 +378,7 @@ def _packed(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor]:
         sub = problem
         if problem.fixed_lse is not None:
             sub = dataclasses.replace(problem, fixed_lse=problem.fixed_lse[:, off_q[b]:off_q[b] + lq].unsqueeze(0))
-        o, lse = _core(qb, kb, vb, sub, b_idx, q_len, kv_len, lengths=False)
+        o, lse = _core(qb, kb, vb, sub, b_idx, q_len, kv_len, lengths=False, gen=gen)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
         end = off_q[b] + lq

@@ -11,7 +11,8 @@ from ...cache import GRAPH_CACHE, GraphKey
 from . import runtime
 from .graphs import CompiledGraph, build
 
-__all__ = ["Graphs", "operand_description", "check_runtime_tensors", "grad_output", "sinks_view"]
+__all__ = ["Graphs", "operand_description", "check_runtime_tensors", "grad_output", "sinks_view", "dropout_rng",
+           "rng_views"]
 
 
 def operand_description(operands: Dict[str, torch.Tensor]) -> tuple:
@@ -93,3 +94,15 @@ def sinks_view(problem: Any) -> Optional[Callable[[Optional[torch.Tensor]], torc
         zeros = torch.zeros((1, h, 1, 1), dtype=torch.float32, device=problem.device)
         return lambda _sinks: zeros
     return lambda sinks: sinks.detach().to(torch.float32).contiguous().view(1, h, 1, 1)
+
+
+def dropout_rng(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(seed, offset) (1, 1, 1, 1) int64 device tensors for cuDNN's Philox dropout, drawn from
+    torch's RNG of `device` (reproducible with torch.manual_seed; capturable in CUDA graphs:
+    a device-side draw, no host value)."""
+    return rng_views(torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device))
+
+
+def rng_views(rng: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(seed, offset) (1, 1, 1, 1) views of a (2,) int64 tensor."""
+    return rng[0:1].view(1, 1, 1, 1), rng[1:2].view(1, 1, 1, 1)

@@ -19,7 +19,8 @@ import torch
 
 from ...cache import GraphKey
 from . import lowering as L
-from .common import Graphs, check_runtime_tensors, grad_output, operand_description, sinks_view
+from .common import (Graphs, check_runtime_tensors, dropout_rng, grad_output, operand_description, rng_views,
+                     sinks_view)
 from .graphs import dense_strides_like
 
 __all__ = ["DenseRunner"]
@@ -93,7 +94,7 @@ class DenseRunner:
                       padding=self.padding, ragged=False,
                       score_mod=None if not self.has_mod else self.lowering.graph_mod.cache_key,
                       operands=operand_description(operands), device_index=self.dev, backend_version=version,
-                      bias=bias_desc, sinks=self.sinks is not None)
+                      bias=bias_desc, sinks=self.sinks is not None, dropout=spec.dropout_p)
         fwd_key = GraphKey(direction="fwd", deterministic=False, **common)
         bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
         self.kv_pad, bwd_lowering = 0, None
@@ -171,7 +172,7 @@ class DenseRunner:
         seq_kv = seq_q if cu_kv is cu_q else (cu_kv[1:] - cu_kv[:-1]).view(b, 1, 1, 1)
         return seq_q, seq_kv
 
-    def _bind(self, q, k, v, varlen, mod, sinks):
+    def _bind(self, q, k, v, varlen, mod, sinks, rng=None):
         """(q, k, v as bound, the input bindings, lengths, bias) of a call."""
         if self.copy_inputs:
             q, k, v = check_runtime_tensors(self.fmt, q, k, v)
@@ -187,10 +188,12 @@ class DenseRunner:
             bind["bias"] = bias if self.bias_cast is None else bias.detach().to(self.bias_cast).contiguous()
         if self.sinks is not None:
             bind["sink"] = self.sinks(sinks)
+        if self.static.spec.dropout_p:
+            bind["dropout_seed"], bind["dropout_offset"] = rng_views(rng) if rng is not None else dropout_rng(q.device)
         return (q, k, v), bind, seqs, bias
 
-    def forward(self, q, k, v, varlen, mod, sinks):
-        (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks)
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None):
+        (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks, rng)
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
         bind["o"], bind["stats"] = out, stats
@@ -207,9 +210,10 @@ class DenseRunner:
         stats = lse.detach().to(torch.float32).contiguous().view(self.stats_shape)
         return self.backward_call(q, k, v, out, stats, varlen, mod, sinks, grad_out)
 
-    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
-        """The backward from the call's arguments (the custom-op path, which keeps no state)."""
-        (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks)
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
+        """The backward from the call's arguments (the custom-op path, which keeps no state;
+        `rng`: the forward's dropout seed and offset)."""
+        (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks, rng)
         saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
         return self.backward((bind, seqs, bias is not None, sinks is not None, mod), saved, grad_out)
 
@@ -273,8 +277,9 @@ class DenseRunner:
         bind = self._operands(mod, backward=True)
         bind.update(q=q, k=padded[0], v=padded[1], o=out, dO=d_o, stats=stats)
         bind["seq_q"], bind["seq_kv"] = self.full_lengths
-        if self.sinks is not None:
-            bind["sink"] = bind_fwd["sink"]
+        for name in ("sink", "dropout_seed", "dropout_offset"):
+            if name in bind_fwd:
+                bind[name] = bind_fwd[name]
         dq = torch.empty_strided(q.shape, self.grad_strides[0], dtype=q.dtype, device=q.device)
         dk_p, dv_p = (torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip((k, v), self.padded_shapes))
         bind.update(dQ=dq, dK=dk_p, dV=dv_p)

@@ -18,6 +18,7 @@ Slots (names of the buffers bound at execute, see `CompiledGraph.slots`):
     bias, dBias                            cuDNN's own post-score_mod bias (B|1, H|1, Sq, Skv)
                                            and its gradient (backward, when trained)
     sink, dSink                            (1, H, 1, 1) fp32 sink logits and their gradient
+    dropout_seed, dropout_offset           (1, 1, 1, 1) int64 device tensors of the Philox RNG
 
 Execution: `CompiledGraph.fast` holds what the lowered graph's raw-pointer execute needs (the
 user slots in the backend's sorted-uid order and the plan index); `runtime.execute` uses it
@@ -207,6 +208,9 @@ def _common_kwargs(b: _Builder, score_mod: Any, operand_templates: Dict[str, tor
         kw["bias"] = b.tensor("bias", dims, strides, _DTYPE_BY_NAME[dtype](cudnn))
     if key.sinks:
         kw["sink_token"] = b.tensor("sink", (1, key.q_dims[1], 1, 1), (key.q_dims[1], 1, 1, 1), cudnn.data_type.FLOAT)
+    if key.dropout:
+        one = ((1, 1, 1, 1), (1, 1, 1, 1), cudnn.data_type.INT64)
+        kw["dropout"] = (key.dropout, b.tensor("dropout_seed", *one), b.tensor("dropout_offset", *one))
     if key.band is not None:
         left, right, bottom_right = key.band
         kw["diagonal_alignment"] = (cudnn.diagonal_alignment.BOTTOM_RIGHT if bottom_right

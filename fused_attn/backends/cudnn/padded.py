@@ -76,8 +76,8 @@ class PaddedAsThdRunner:
         b, sq, _ = self.shape
         return lse.view(lse.shape[0], b, sq).permute(1, 0, 2).contiguous()  # (H, B*Sq) -> (B, H, Sq)
 
-    def forward(self, q, k, v, varlen, mod, sinks):
-        out, lse, saved, state = self.runner.forward(*self._inputs(q, k, v), self._varlen(varlen), mod, sinks)
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None):
+        out, lse, saved, state = self.runner.forward(*self._inputs(q, k, v), self._varlen(varlen), mod, sinks, rng)
         out = self._unpacked(out, self.shape[1])
         return out, (None if lse is None else self._lse(lse)), saved, state
 
@@ -89,10 +89,11 @@ class PaddedAsThdRunner:
     def backward(self, state, saved, grad_out):
         return self._grads(self.runner.backward(state, saved, self._packed(grad_out, self.shape[1])))
 
-    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
         sq = self.shape[1]
         return self._grads(self.runner.backward_call(*self._inputs(q, k, v), self._packed(out, sq), stats,
-                                                     self._varlen(varlen), mod, sinks, self._packed(grad_out, sq)))
+                                                     self._varlen(varlen), mod, sinks, self._packed(grad_out, sq),
+                                                     rng))
 
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
         sq = self.shape[1]

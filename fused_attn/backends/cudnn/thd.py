@@ -16,7 +16,8 @@ import torch
 from ...cache import GraphKey
 from . import lowering as L
 from . import varlen as VL
-from .common import Graphs, check_runtime_tensors, grad_output, operand_description, sinks_view
+from .common import (Graphs, check_runtime_tensors, dropout_rng, grad_output, operand_description, rng_views,
+                     sinks_view)
 from .graphs import thd_strides
 
 __all__ = ["ThdRunner"]
@@ -57,7 +58,7 @@ class ThdRunner:
                       padding=False, ragged=True,
                       score_mod=None if not self.has_mod else self.lowering.graph_mod.cache_key,
                       operands=operand_description(operands), device_index=self.dev, backend_version=version,
-                      bias=None, sinks=self.sinks is not None)
+                      bias=None, sinks=self.sinks is not None, dropout=spec.dropout_p)
         fwd_key = GraphKey(direction="fwd", deterministic=False, **common)
         bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
         self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev)
@@ -77,7 +78,7 @@ class ThdRunner:
         for (side, mult), t in thd.offsets.items():
             bind[f"roff_{side}_{mult}"] = t
 
-    def _bind(self, q, k, v, varlen, mod, sinks):
+    def _bind(self, q, k, v, varlen, mod, sinks, rng=None):
         """(q, k, v as bound, the input bindings, the prepared batch) of a call."""
         for name, t in (("query", q), ("key", k), ("value", v)):
             VL.check_offset_range(name, t.shape[0], t.shape[1], t.shape[2])
@@ -89,6 +90,8 @@ class ThdRunner:
         self._bind_lengths(bind, thd)
         if self.sinks is not None:
             bind["sink"] = self.sinks(sinks)
+        if self.static.spec.dropout_p:
+            bind["dropout_seed"], bind["dropout_offset"] = rng_views(rng) if rng is not None else dropout_rng(q.device)
         return (q, k, v), bind, thd
 
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
@@ -97,14 +100,15 @@ class ThdRunner:
         stats = VL.scatter_lse(lse.detach().to(torch.float32), thd, self.stats_shape)
         return self.backward_call(q, k, v, out, stats, varlen, mod, sinks, grad_out)
 
-    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out):
-        """The backward from the call's arguments (the custom-op path, which keeps no state)."""
-        (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks)
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
+        """The backward from the call's arguments (the custom-op path, which keeps no state;
+        `rng`: the forward's dropout seed and offset)."""
+        (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks, rng)
         saved = (q, k, v, out, stats) + (() if sinks is None else (sinks,))
         return self.backward((bind, thd, sinks is not None), saved, grad_out)
 
-    def forward(self, q, k, v, varlen, mod, sinks):
-        (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks)
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None):
+        (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks, rng)
         alloc = torch.zeros if self.gaps_q else torch.empty  # tokens between sequences stay 0
         out = alloc((q.shape[0], self.heads, self.head_dim_v), dtype=q.dtype, device=q.device)
         stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
