@@ -521,7 +521,16 @@ def clamp(x: Value, min: Optional[Value] = None, max: Optional[Value] = None) ->
 
 
 def where(cond: Sym, x: Value, y: Value) -> Sym:
-    """x where cond holds, else y (cond: a comparison or a logical combination of comparisons)."""
+    """x where cond holds, else y (cond: a comparison or a logical combination of comparisons).
+    On Python values only it is Python's `x if cond else y`."""
+    if isinstance(cond, bool) and not isinstance(x, Sym) and not isinstance(y, Sym):
+        lift(x, "where()"), lift(y, "where()")
+        return x if cond else y
+    if isinstance(cond, bool):
+        raise TypeError(
+            f"where() got the Python bool {cond!r} with symbolic branches; write Python's x if flag else y for a "
+            "condition known before tracing, or compare symbols for one that is not"
+        )
     c = _cond(cond, "where")
     xs, ys = lift(x, "where()"), lift(y, "where()")
     for n in (xs, ys):

@@ -433,7 +433,7 @@ class Plan:
     def summary(self) -> Dict[str, Any]:
         """What goes where: {"scalar": [...], "views": {...}, "single": {...}, "dense": {...},
         "in_graph": sorted ops emitted by the forward, "unsupported": [...]} (text, for tests/docs)."""
-        ops = sorted({n.op for n in topo_order(self.forward) if n.args})
+        ops = sorted({n.op for n in topo_order(self.forward) if n.args and not is_scalar(n)})
         return {
             "scalar": sorted(self.scalar_names.values()),
             "views": {k: f"{p}[{', '.join(a)}]" for k, (p, a) in self.views.items()},

@@ -46,10 +46,11 @@ def cache_info() -> Dict[str, int]:
 
 
 def clear_cache() -> None:
-    """Drop every memoized materialization."""
+    """Drop every memoized materialization (and reset the counters)."""
     with _LOCK:
         _MEMO.clear()
         _BYTES[0] = 0
+        _STATS.update(hits=0, misses=0, uncached=0)
 
 
 def _exact(v: Any) -> Any:

@@ -96,6 +96,11 @@ def _param_specs(fn: Callable, nargs: int, what: str) -> Dict[str, ParamSpec]:
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise TypeError(f"{what} {name!r}: *args / **kwargs are not supported; name every parameter")
+    if nargs == 4 and params and params[0].name == "score":
+        raise TypeError(
+            f"{what} {name!r} takes (b, h, q_idx, kv_idx, **params): no score (it returns a condition); use "
+            "@score_mods.score_mod for a function of the score"
+        )
     if len(params) < nargs or any(p.default is not p.empty for p in params[:nargs]):
         first = "(score, b, h, q_idx, kv_idx, **params)" if nargs == 5 else "(b, h, q_idx, kv_idx, **params)"
         raise TypeError(
