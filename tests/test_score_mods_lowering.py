@@ -407,3 +407,36 @@ def test_has_backward_follows_measured_engine_faults(monkeypatch):
     assert not sm.document_mask(torch.arange(4)).has_backward
     monkeypatch.setattr(lower_cudnn, "IRREGULAR_MASK_BACKWARD", True)
     assert z["natten"][0].renamed("again").has_backward
+
+
+def test_div_recipe_switch(in_graph_table):
+    in_graph_table["div"] = "mul_reciprocal"  # if the probe declined tensor / tensor division
+    in_graph_table["floordiv"] = None          # a * (1 / b) is not exact enough to floor
+    in_graph_table["mod"] = None
+    mod = sm.softcap(2.0).renamed("softcap_probe")
+    g = check_lowering(mod, 1, 2, 4, 4)
+    assert "div" not in [t.op for t in g.ops]  # score / cap became score * (1 / cap), 1 / cap folded on the host
+    dilated = zoo(dtype=torch.float32)["dilated_window"][0].renamed("dilated_probe")
+    assert list(dilated.plan.summary()["dense"].values()) == ["(abs((q_idx - kv_idx)) % dilation)"]
+    check_lowering(dilated, 1, ZH, ZS, ZS)
+
+
+def test_bucketed_batch_dims_repeat_the_last_row_of_b_indexed_tables():
+    mod, _ = zoo(dtype=torch.float32)["graphormer"]  # spatial[h, dist[b, q_idx, kv_idx]], dist has batch 1
+    dense = mod.cudnn_operands((4, ZH, ZS, ZS), device="cpu")["mat0@bhqk"]
+    assert dense.shape == (4, ZH, ZS, ZS) and torch.equal(dense[3], dense[0])
+
+
+def test_operands_are_memoized_per_object_and_follow_tensor_versions():
+    ids = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
+
+    @sm.mask_mod
+    def halves(b, h, q_idx, kv_idx, ids=sm.TensorParam("int")):
+        return ids[q_idx // 2] == ids[kv_idx // 2]
+
+    mod = halves(ids=ids)
+    a, b = mod.cudnn_operands((1, 1, 8, 8), device="cpu"), mod.cudnn_operands((1, 1, 8, 8), device="cpu")
+    assert all(a[k] is b[k] for k in a)
+    ids[0] = 5  # in place: the version changes, the operands follow
+    c = mod.cudnn_operands((1, 1, 8, 8), device="cpu")
+    assert c["mat0@q"][0, 0, 0, 0].item() == 5.0 and a["mat0@q"] is not c["mat0@q"]
