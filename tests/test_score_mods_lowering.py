@@ -440,3 +440,22 @@ def test_operands_are_memoized_per_object_and_follow_tensor_versions():
     ids[0] = 5  # in place: the version changes, the operands follow
     c = mod.cudnn_operands((1, 1, 8, 8), device="cpu")
     assert c["mat0@q"][0, 0, 0, 0].item() == 5.0 and a["mat0@q"] is not c["mat0@q"]
+
+
+@pytest.mark.parametrize("cap", [1.5, -1.5, 3.0])
+def test_scalar_conditions_lower_as_host_folded_comparisons(cap):
+    @sm.score_mod
+    def signed(score, b, h, q_idx, kv_idx, cap=1.0):
+        return sm.where(cap > 0, score, -score) + sm.where((cap > 2) & (q_idx < 2), 1.0, 0.0)
+
+    check_lowering(signed(cap=cap), 1, 1, 4, 5)
+
+
+def test_chains_report_unsupported_parts():
+    @sm.score_mod
+    def score_indexed(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
+        return score + table[sm.floor(score).clamp(0, 3)]
+
+    chained = sm.compose(score_indexed(table=torch.randn(4)), sm.raw_callback(_raw_identity))
+    assert "cannot run on cuDNN" in chained.cudnn_unsupported
+    assert sm.compose(sm.causal(), sm.raw_callback(_raw_identity)).cudnn_unsupported is None
