@@ -120,7 +120,10 @@ _CHEAP = frozenset(("index", "const", "param", "length", "add", "sub", "neg", "m
 
 @functools.lru_cache(maxsize=4096)
 def is_scalar(n: Node) -> bool:
-    """Only constants, scalar params and lengths below: foldable on the host."""
+    """Only constants, scalar params and lengths below: foldable on the host (a gather never is:
+    its tensor lives on the device)."""
+    if n.op == "gather":
+        return False
     return n.op in _SCALAR_LEAVES if not n.args else all(is_scalar(a) for a in n.args)
 
 

@@ -459,3 +459,15 @@ def test_chains_report_unsupported_parts():
     chained = sm.compose(score_indexed(table=torch.randn(4)), sm.raw_callback(_raw_identity))
     assert "cannot run on cuDNN" in chained.cudnn_unsupported
     assert sm.compose(sm.causal(), sm.raw_callback(_raw_identity)).cudnn_unsupported is None
+
+
+def test_gathers_at_constant_indices_are_materialized_not_folded():
+    @sm.score_mod
+    def const_index(score, b, h, q_idx, kv_idx, table=sm.TensorParam(), k=2):
+        return score * table[k] + table[0] * 0.5
+
+    mod = const_index(table=torch.tensor([1.5, -2.0, 3.0]))
+    summary = mod.plan.summary()
+    assert sorted(summary["single"].values()) == ["(table[0] * 0.5)", "table[k]"] and not summary["scalar"]
+    assert mod.cudnn_operands((1, 1, 3, 3), device="cpu")["mat0@s"].shape == (1, 1, 1, 1)
+    check_lowering(mod, 1, 1, 3, 3)
