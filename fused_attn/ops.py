@@ -39,7 +39,8 @@ _REGISTRY_LOCK = threading.Lock()
 def spec_key(spec: AttentionSpec) -> str:
     """Stable string naming a spec (the same in every process)."""
     digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:24]
-    name = getattr(spec.score_mod, "name", "none")
+    mod = spec.score_mod
+    name = getattr(mod, "base_name", getattr(mod, "name", "none"))  # value-free: a new value keeps the key
     return f"{spec.backend}:{name}:{digest}"
 
 

@@ -106,6 +106,24 @@ def graph_op(op: str) -> str:
     return IN_GRAPH.get(op) or _GRAPH_OP.get(op, op)
 
 
+def _small_int_exponent(n: Node) -> Optional[int]:
+    """The exponent of x ** c for an integer-valued constant 0 <= c <= 8, else None. The engines'
+    pow is exp(c log x) (NaN for x < 0, measured), so such powers are emitted as products."""
+    if n.op != "const":
+        return None
+    value = float(n.attr)
+    return int(value) if value.is_integer() and 0 <= value <= 8 else None
+
+
+def _power_product(x: Node, c: int) -> Node:
+    if c == 0:
+        return Node("add", (Node("mul", (x, const(0.0))), const(1.0)))
+    out = x
+    for _ in range(c - 1):
+        out = Node("mul", (out, x))
+    return out
+
+
 # --------------------------------------------------------------------------- structural facts
 
 _SCALAR_LEAVES = ("const", "param", "length")
@@ -191,7 +209,26 @@ class Facts:
             return None if emittable(n.op) or n.op in optable.LOGIC or n.op == "where" else "dense"
         if n.op == "gather" and direct_axes(n) is not None and n.dtype != "b":
             return None  # a view
+        if self.in_graph(n):
+            # measured on H100/H200: in-graph index arithmetic (floor, div, ...) recomputes exactly in
+            # the backward, while a mask condition reading a graph input does not
+            return None
         return "single" if self.costly(n) else None
+
+    def in_graph(self, n: Node) -> bool:
+        """True if every op below `n` is emittable in-graph (index arithmetic, no gathers)."""
+        memo = self.__dict__.setdefault("_in_graph", {})
+        got = memo.get(n)
+        if got is None:
+            if not n.args:  # lengths stay out: per-sequence graph inputs are read wrongly in ragged graphs
+                got = n.op in ("index", "const", "param")
+            elif n.op == "gather" or n.op in optable.LOGIC:
+                got = False
+            else:
+                got = (emittable(n.op) or n.op == "where" or n.op in optable.BOOL_OPS or n.op == "pow") and all(
+                    self.in_graph(a) for a in n.args)
+            memo[n] = got
+        return got
 
 
 # --------------------------------------------------------------------------- rewriting
@@ -320,6 +357,8 @@ class _Rewriter:
             out = self.unsupported(n, "a condition used outside where()")
         elif not emittable(n.op):
             out = self.unsupported(n, f"op {n.op!r} is not emitted in cuDNN graphs (lower_cudnn.IN_GRAPH)")
+        elif n.op == "pow" and _small_int_exponent(n.args[1]) is not None:
+            out = self.rw(_power_product(n.args[0], _small_int_exponent(n.args[1])))
         elif IN_GRAPH.get(n.op) in RECIPES:
             out = self.rw(RECIPES[IN_GRAPH[n.op]][1](*n.args))
         else:
