@@ -27,7 +27,7 @@ class PlanAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: Any, varlen: Any, mod: Any, sinks: Optional[torch.Tensor], query: torch.Tensor,
                 key: torch.Tensor, value: torch.Tensor, *extras: torch.Tensor):
-        out, lse, saved, state = runner.forward(query, key, value, varlen, mod, sinks)
+        out, lse, saved, state = runner.forward(query, key, value, varlen, mod, sinks, extras=extras)
         ctx.runner, ctx.state, ctx.n_extras = runner, state, len(extras)
         ctx.save_for_backward(*saved)
         if lse is not None:

@@ -176,8 +176,9 @@ def attn_bwd(grad_out: _T, query: _T, key: _T, value: _T, out: _T, saved: _T, cu
                                     cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars,
                                     score_mod_tensors)
     grads = plan.runner.backward_call(query, key, value, out, saved, varlen, mod, sinks, grad_out, dropout_rng)
+    grads = list(grads[:3]) + plan.runner.op_grads(mod, sinks, grads)
     inputs = [grad_out, query, key, value, out, saved]
-    return [g.new_empty((0,)) if g is None else _fresh(g, inputs) for g in grads]
+    return [query.new_empty((0,)) if g is None else _fresh(g, inputs) for g in grads]
 
 
 def _fresh(t: torch.Tensor, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -216,10 +217,10 @@ def _differentiated(spec: AttentionSpec, tensors: Sequence[torch.Tensor], sinks:
 def _grad_param_names(spec: AttentionSpec) -> set:
     template = spec.score_mod
     if spec.backend == "cudnn":
-        from .backends.cudnn.lowering import split_bias
+        from .backends.cudnn.lowering import split
 
-        split = split_bias(template)
-        return set() if split is None else {split[1]}
+        _, bias_part = split(template)
+        return set() if bias_part is None else set(bias_part.tensors())
     specs = getattr(template, "specs", {})
     return {n for n, t in template.tensors().items() if t.is_floating_point() and n in specs}
 

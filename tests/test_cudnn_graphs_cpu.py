@@ -374,7 +374,7 @@ class _FakeRunner:
     def grad_inputs(self, mod, sinks):
         return ()
 
-    def forward(self, q, k, v, varlen, mod, sinks):
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
         out, lse = self._math(q.detach(), k.detach(), v.detach())
         return out, lse, (q, k, v, lse.unsqueeze(-1).clone()), "state"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -88,13 +88,17 @@ class ReferenceRunner:
         """The tensors besides q, k, v that the backward differentiates (in its order)."""
         return tuple(t for _, t in _grad_tensors(mod, sinks))
 
-    def forward(self, q, k, v, varlen, mod, sinks, rng=None):
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
         dropout = self._seed(rng)
         with torch.no_grad():
             out, lse = _compute(self._problem(q, k, v, varlen, mod, sinks, dropout))
         extras = _grad_tensors(mod, sinks)
         return out, lse, (q, k, v) + tuple(t for _, t in extras), (varlen, mod, sinks, tuple(n for n, _ in extras),
                                                                     dropout)
+
+    def op_grads(self, mod: Any, sinks: Any, grads: tuple) -> list:
+        """The extra gradients of `backward_call`, already per op input (see DenseRunner.op_grads)."""
+        return list(grads[3:])
 
     def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
         """The backward from the call's arguments (the custom-op path, which keeps no state;

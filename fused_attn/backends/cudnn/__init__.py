@@ -50,11 +50,15 @@ def refusal(problem: Any) -> Optional[str]:
 
 
 def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
-    from .lowering import split_bias
+    from .lowering import bias_mode, split
 
+    why = getattr(mod, "cudnn_unsupported", None)
+    if why:
+        return why
     if problem.needs_grad and not mod.has_backward:
-        return (f"score_mod {mod.name!r} has no correct cuDNN backward and gradients are required "
-                "(document masks: use fused_attn.doc_packed_attn or thd, which run them as sequences)")
+        return (f"score_mod {mod.name!r} has no correct cuDNN backward and gradients are required (cuDNN 9.19 "
+                "recomputes masks that read graph inputs wrongly: document ids, bit-twiddled positions; packed "
+                "documents run as sequences with fused_attn.doc_packed_attn or thd)")
     if mod.needs_host_lengths and problem.has_lengths:
         return (f"score_mod {mod.name!r} compares positions against per-sequence lengths "
                 "(bottom-right alignment), which cuDNN computes wrongly on packed or padded batches")
@@ -63,25 +67,29 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
         if native is None:
             return ("a bottom-right mask together with a score_mod on packed or padded batches: cuDNN refuses its "
                     "own band next to a score_mod and computes per-sequence offsets wrongly")
-    split = split_bias(mod)
-    bias_name = None if split is None else split[1]
+    trained = frozenset(t[0] for t in problem.mod_tensors if t[-1] and problem.needs_grad)
+    mode = bias_mode(mod, trained)
+    score_part, bias_part = split(mod) if mode is not None else (mod, None)
+    facts = mod.trainable() if hasattr(mod, "trainable") else {}
     axes = _tensor_axes(mod)
+    bias_names = set() if bias_part is None else set(_tensor_axes(bias_part))
     for name, shape, _stride, dtype, _device, requires_grad in problem.mod_tensors:
         if problem.is_packed and "b" in axes.get(name, ()) and shape[0] != 1:
             return (f"score_mod tensor parameter {name!r} is indexed by the batch (sequence) index on a packed (thd) "
                     "batch: cuDNN's engines read per-sequence graph inputs wrongly in ragged graphs (measured)")
-        if (requires_grad and problem.needs_grad and name == bias_name and split[0] is not None):
+        if problem.is_packed and name in bias_names:
+            return (f"score_mod tensor parameter {name!r} is an additive bias over query/key positions of a packed "
+                    "(thd) batch; pass it through a dense (padded) batch or use backend='reference'")
+        if not (requires_grad and problem.needs_grad):
+            continue
+        fact = facts.get(name)
+        if name not in bias_names or (fact is not None and not fact.bias_only):
+            return (f"score_mod tensor parameter {name!r} requires grad, but cuDNN gives gradients only to an "
+                    "additive bias term (score_mod(score) + g(tables, positions), as post_scale_bias)")
+        if score_part is not None:
             return (f"score_mod tensor parameter {name!r} requires grad next to another score_mod term: cuDNN's dBias "
                     "is wrong when the graph also has a score_mod callback (measured on cuDNN 9.19); train the bias "
                     "alone (post_scale_bias) or use backend='reference'")
-        if problem.is_packed and len(shape) >= 2 and name == bias_name:
-            return (f"score_mod tensor parameter {name!r} indexes query/key positions of a packed (thd) batch; "
-                    "pass it through a dense (padded) batch or use backend='reference'")
-        if requires_grad and problem.needs_grad and name != bias_name:
-            return (f"score_mod tensor parameter {name!r} requires grad, but cuDNN gives gradients only to an "
-                    "additive bias term (score + bias[..., q_idx, kv_idx], as post_scale_bias)")
-        if requires_grad and problem.needs_grad and problem.is_packed:
-            return f"score_mod tensor parameter {name!r} requires grad on a packed (thd) batch"
     return None
 
 

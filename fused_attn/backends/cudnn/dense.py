@@ -62,7 +62,9 @@ class DenseRunner:
         self.lse_shape = (b, h, sq)
         self.device = p.device
         self.dev = p.device.index if p.device.index is not None else torch.cuda.current_device()
-        self.lowering = L.plan_lowering(spec, spec.score_mod, sq, skv, has_lengths=spec.padding)
+        self.trained = frozenset(t[0] for t in p.mod_tensors if t[-1] and p.needs_grad)
+        self.lowering = L.plan_lowering(spec, spec.score_mod, (b, h, sq, skv), has_lengths=spec.padding,
+                                        trained=self.trained)
         self.has_mod = self.lowering.graph_mod is not None
         self.padding = spec.padding
         in_strides = tuple(normalized(dm, st) for dm, st in zip(self.dims, (p.q_strides, p.k_strides, p.v_strides)))
@@ -75,11 +77,15 @@ class DenseRunner:
         self.scale = torch.full((1, 1, 1, 1), p.scale, dtype=torch.float32)
         self.sinks = sinks_view(p)
         operands = self._operands(spec.score_mod)
-        bias = L.bias_tensor(self.lowering, spec.score_mod) if self.lowering.bias_param else None
-        bias_desc = None
         self.bias_cast = None
+        bias = None
+        if self.lowering.bias is not None:
+            dense = self.lowering.bias == "dense"  # a materialized, trained term: dBias needs the io dtype
+            with torch.no_grad():
+                bias = L.bias_tensor(self.lowering, spec.score_mod, p.device, p.dtype if dense else torch.float32)
+        bias_desc = None
         if bias is not None:
-            trained = p.needs_grad and bias.requires_grad
+            trained = p.needs_grad and (self.lowering.bias == "dense" or any(t[-1] for t in p.mod_tensors))
             if trained and bias.dtype != p.dtype:
                 # cuDNN's dBias needs the bias in the io dtype (measured: an fp32 bias with dBias is declined)
                 self.bias_cast = p.dtype
@@ -121,7 +127,8 @@ class DenseRunner:
         self.kv_pad = 64
         skv2 = skv + 64
         padded_spec = dataclasses.replace(spec, padding=True)
-        self.bwd_lowering = L.plan_lowering(padded_spec, spec.score_mod, sq, skv2, has_lengths=True)
+        self.bwd_lowering = L.plan_lowering(padded_spec, spec.score_mod, (b, h, sq, skv2), has_lengths=True,
+                                            trained=self.trained)
         dims = ((b, hkv, skv2, d), (b, hkv, skv2, dv))
         strides = tuple(normalized(dm, _logical_strides(self.fmt, _contiguous_strides(_format_shape(self.fmt, dm))))
                         for dm in dims)
@@ -147,20 +154,19 @@ class DenseRunner:
 
     def _operands(self, mod: Any, backward: bool = False) -> Dict[str, torch.Tensor]:
         if backward and self.kv_pad:
-            ops = L.mod_operands(self.bwd_lowering, mod, self.dims[0][2], self.dims[1][2] + self.kv_pad,
-                                 has_lengths=True)
+            ops = L.mod_operands(self.bwd_lowering, mod, has_lengths=True, device=self.device)
             ops = {f"sm:{k}": t for k, t in ops.items()}
             ops["attn_scale"] = self.scale
             return ops
-        ops = L.mod_operands(self.lowering, mod, self.dims[0][2], self.dims[1][2], has_lengths=self.padding)
+        ops = L.mod_operands(self.lowering, mod, has_lengths=self.padding, device=self.device)
         ops = {f"sm:{k}": t for k, t in ops.items()}
         ops["attn_scale"] = self.scale
         return ops
 
     def grad_inputs(self, mod: Any, sinks: Optional[torch.Tensor]) -> tuple:
         out = []
-        if self.lowering.bias_param is not None:
-            out.append(L.bias_tensor(self.lowering, mod))
+        if self.lowering.bias is not None:
+            out.append(self._bias(mod))
         if sinks is not None:
             out.append(sinks)
         return tuple(out)
@@ -172,7 +178,38 @@ class DenseRunner:
         seq_kv = seq_q if cu_kv is cu_q else (cu_kv[1:] - cu_kv[:-1]).view(b, 1, 1, 1)
         return seq_q, seq_kv
 
-    def _bind(self, q, k, v, varlen, mod, sinks, rng=None):
+    def op_grads(self, mod: Any, sinks: Optional[torch.Tensor], grads: tuple) -> list:
+        """The extra gradients of `backward_call` as gradients of the op's inputs: the bias part's
+        tensor parameters (a view's dBias reshaped to the parameter; a materialized term's dBias
+        pulled back to its tables by autograd), then the sinks."""
+        extra = list(grads[3:])
+        out = []
+        if self.lowering.bias is not None:
+            d_bias = extra.pop(0)
+            _, bias_part = L.split(mod)
+            tensors = bias_part.tensors()
+            if d_bias is None:
+                out.extend(None for _ in tensors)
+            elif self.lowering.bias == "view":
+                out.extend(d_bias.reshape(t.shape).to(t.dtype) for t in tensors.values())
+            else:
+                leaves = {n: t.detach().requires_grad_(t.is_floating_point()) for n, t in tensors.items()}
+                with torch.enable_grad():
+                    from score_mods import materialize
+
+                    g = materialize(bias_part.bind(**leaves), self.lowering.dims, device=self.device,
+                                    dtype=self.static.dtype)
+                    wrt = [t for t in leaves.values() if t.requires_grad]
+                    got = iter(torch.autograd.grad(g, wrt, d_bias.to(g.dtype), allow_unused=True))
+                out.extend(next(got) if t.requires_grad else None for t in leaves.values())
+        out.extend(extra)
+        return out
+
+    def _bias(self, mod: Any) -> torch.Tensor:
+        dtype = self.static.dtype if self.lowering.bias == "dense" else torch.float32
+        return L.bias_tensor(self.lowering, mod, self.device, dtype)
+
+    def _bind(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
         """(q, k, v as bound, the input bindings, lengths, bias) of a call."""
         if self.copy_inputs:
             q, k, v = check_runtime_tensors(self.fmt, q, k, v)
@@ -183,8 +220,8 @@ class DenseRunner:
             seqs = self._lengths(varlen)
             bind["seq_q"], bind["seq_kv"] = seqs
         bias = None
-        if self.lowering.bias_param is not None:
-            bias = L.bias_tensor(self.lowering, mod)
+        if self.lowering.bias is not None:
+            bias = extras[0] if extras else self._bias(mod)
             bind["bias"] = bias if self.bias_cast is None else bias.detach().to(self.bias_cast).contiguous()
         if self.sinks is not None:
             bind["sink"] = self.sinks(sinks)
@@ -192,8 +229,8 @@ class DenseRunner:
             bind["dropout_seed"], bind["dropout_offset"] = rng_views(rng) if rng is not None else dropout_rng(q.device)
         return (q, k, v), bind, seqs, bias
 
-    def forward(self, q, k, v, varlen, mod, sinks, rng=None):
-        (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks, rng)
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
+        (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks, rng, extras)
         out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
         stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
         bind["o"], bind["stats"] = out, stats

@@ -5,10 +5,11 @@ The backend, not the public API, decides how masks combine with a score_mod:
 * no score_mod: cuDNN's own band (causal / window, top-left or bottom-right) and padding mask;
 * a score_mod that *is* a library mask equal to the call's band (`causal()`, `sliding_window`):
   the native band (cuDNN skips masked tiles);
-* a score_mod whose expression ends in `+ tensor[..., q_idx, kv_idx]` (post_scale_bias and
-  mods composed with it): the tensor goes to cuDNN's own bias input (applied after the score_mod
-  callback, so masks commute with it) and, when it requires grad, the backward's dBias output
-  gives it its gradient;
+* a score_mod whose expression ends in `+ g` with g score-free (`split_additive_bias`): when g is
+  a tensor parameter read at [..., q_idx, kv_idx] (post_scale_bias), or reads a table being
+  trained, g goes to cuDNN's own bias input (applied after the score_mod callback, so masks
+  commute with it) and, when it requires grad, the backward's dBias output gives it its gradient
+  (through torch autograd for a materialized g);
 * any other score_mod with a band or padding: cuDNN refuses its own masks next to a score_mod,
   so the masks are lowered after the user's mod, as a second score_mod in one chained callback
   (the outer masks' derivative is the identity: the backward callback is the user's).
@@ -27,7 +28,7 @@ from ...memo import BoundedMemo
 from ...problem import Band
 from .graphs import cudnn_band
 
-__all__ = ["Lowering", "plan_lowering", "split_bias"]
+__all__ = ["Lowering", "plan_lowering", "split", "bias_mode", "mod_operands", "bias_tensor"]
 
 
 @dataclass
@@ -37,9 +38,12 @@ class Lowering:
     band: (left_bound, right_bound, bottom_right) in cuDNN's convention or None; padding:
     cuDNN's padding mask with seq_len tensors (dense padding types, no score_mod); graph_mod:
     the ScoreMod lowered into the callbacks (the user's, or a chain of it and the masks) or None;
-    user_prefix: the operand-name prefix of the user's mod inside graph_mod ("" when unchained);
-    static_operands: operands of the mask part (values fixed per plan); bias_param: name of the
-    user's tensor parameter fed to the bias input, and its index axes.
+    user_mod: the user's part of it; user_prefix: the operand-name prefix of the user's mod inside
+    graph_mod ("" when unchained); static_operands: operands of the mask part (values fixed per
+    plan); bias: how the additive bias term reaches cuDNN's bias input — None, "view" (a tensor
+    parameter read at [..., q_idx, kv_idx]: the tensor itself) or "dense" (the term materialized
+    as a (B|1, H|1, Sq, Skv) tensor with autograd, for trained tables); dims: the graph dims
+    (B, H, Sq, Skv) materialized operands are computed for.
     """
 
     band: Optional[Tuple[Optional[int], Optional[int], bool]]
@@ -48,7 +52,8 @@ class Lowering:
     user_mod: Any
     user_prefix: str
     static_operands: Dict[str, torch.Tensor]
-    bias_param: Optional[Tuple[str, tuple]]
+    bias: Optional[str]
+    dims: Tuple[int, int, int, int] = (1, 1, 1, 1)
 
 
 def _normalized_band(band: Optional[Band], sq: int, skv: int) -> Optional[Tuple[Optional[int], Optional[int], bool]]:
@@ -65,48 +70,52 @@ def _normalized_band(band: Optional[Band], sq: int, skv: int) -> Optional[Tuple[
     return (lb, rb, bool(band.bottom_right))
 
 
-def split_bias(mod: Any) -> Optional[Tuple[Any, str, tuple]]:
-    """(mod without the bias term or None, tensor parameter name, its axes) when the traced
-    mod's expression is `X + t[..., q_idx, kv_idx]` with `t` a floating tensor parameter that
-    appears nowhere else, else None."""
-    root = getattr(mod, "root", None)
-    if root is None or root.op != "add":
-        return None
-    from score_mods import expr
-
-    for i in (0, 1):
-        term, rest = root.args[i], root.args[1 - i]
-        if term.op != "tparam":
-            continue
-        name, axes = term.attr
-        spec = mod.specs.get(name)
-        if spec is None or spec.tkind != "float" or tuple(axes[-2:]) != ("q_idx", "kv_idx"):
-            continue
-        if any(n.op == "tparam" and n.attr[0] == name for n in expr.topo_order(rest)):
-            continue
-        if rest.op == "score":
-            return None, name, tuple(axes)
-        from score_mods.trace import TracedMod
-
-        specs = {p: s for p, s in mod.specs.items() if p != name}
-        values = {p: v for p, v in mod._values.items() if p != name}
-        return TracedMod(mod.name, rest, specs, values), name, tuple(axes)
-    return None
+_SPLITS = BoundedMemo(256, "cudnn.split_additive_bias")
 
 
-_SPLITS = BoundedMemo(256, "cudnn.split_bias")
-
-
-def _without_bias(mod: Any) -> Any:
-    """`split_bias(mod)[0]`, memoized per (mod object, float values): a module's mod updated in
-    place gets a fresh split, a repeated call reuses it (and its cached operands)."""
+def split(mod: Any) -> Tuple[Any, Any]:
+    """(score part or None, bias part or None) of a traced mod (`split_additive_bias`), memoized
+    per (mod object, float values): a module's mod updated in place gets a fresh split, a repeated
+    call reuses it (and its cached operands). Other mods: (mod, None)."""
+    if not hasattr(mod, "split_additive_bias"):
+        return mod, None
     key = (id(mod), tuple(mod.scalars().values()))
     hit = _SPLITS.get(key)
     if hit is not None and hit[0] is mod:
         return hit[1]
-    rest = split_bias(mod)[0]
-    _SPLITS.put(key, (mod, rest))
-    return rest
+    parts = mod.split_additive_bias()
+    _SPLITS.put(key, (mod, parts))
+    return parts
+
+
+def bias_mode(mod: Any, trained: frozenset) -> Optional[str]:
+    """How the mod's additive bias term goes to cuDNN's bias input: "view" when it is a floating
+    tensor parameter read at [..., q_idx, kv_idx] (post_scale_bias: no copy), "dense" when it
+    reads a table some call trains (materialized with autograd so dBias reaches the table),
+    None when it stays inside the score_mod (cheaper: no S^2 tensor)."""
+    _, bias_part = split(mod)
+    if bias_part is None:
+        return None
+    if _view_param(bias_part) is not None:
+        return "view"
+    facts = mod.trainable() if hasattr(mod, "trainable") else {}
+    if any(name in trained and fact.floating and fact.bias_only for name, fact in facts.items()):
+        return "dense"
+    return None
+
+
+def _view_param(bias_part: Any) -> Optional[Tuple[str, tuple]]:
+    """(name, axes) when the bias part is `score + t[..., q_idx, kv_idx]` with t floating."""
+    root = bias_part.root
+    term = root.args[1] if root.op == "add" and root.args[0].op == "score" else None
+    if term is None or term.op != "gather":
+        return None
+    from score_mods.expr import direct_axes
+
+    axes = direct_axes(term)
+    if axes is None or tuple(axes[-2:]) != ("q_idx", "kv_idx") or term.dtype == "b":
+        return None
+    return term.attr, tuple(axes)
 
 
 def _mask_mod(band: Optional[Band], padding: bool) -> Any:
@@ -128,41 +137,49 @@ def _mask_mod(band: Optional[Band], padding: bool) -> Any:
     return parts[0] if len(parts) == 1 else compose(*parts)
 
 
-def plan_lowering(spec: Any, mod: Any, sq: int, skv: int, has_lengths: bool) -> Lowering:
-    """Decide the graph structure for a plan (see the module docstring)."""
+def plan_lowering(spec: Any, mod: Any, dims: Tuple[int, int, int, int], has_lengths: bool,
+                  trained: frozenset = frozenset()) -> Lowering:
+    """Decide the graph structure for a plan (see the module docstring); dims: the graph's
+    (B, H, Sq, Skv); trained: names of the mod's tensor parameters that require grad."""
     band, padding = spec.band, spec.padding
+    sq, skv = dims[2], dims[3]
     bias = None
     if mod is not None:
         native = getattr(mod, "native_band", None)
         if native is not None and (band is None or band == Band(*native)) and not padding:
-            return Lowering(_normalized_band(Band(*native), sq, skv), False, None, None, "", {}, None)
-        split = split_bias(mod)
-        if split is not None:
-            rest, name, axes = split
-            bias = (name, axes)
-            mod = rest
+            return Lowering(_normalized_band(Band(*native), sq, skv), False, None, None, "", {}, None, dims)
+        bias = bias_mode(mod, trained)
+        if bias is not None:
+            mod = split(mod)[0]
     if mod is None:
-        return Lowering(_normalized_band(band, sq, skv), padding, None, None, "", {}, bias)
+        return Lowering(_normalized_band(band, sq, skv), padding, None, None, "", {}, bias, dims)
     mask = _mask_mod(band, padding)
     if mask is None:
-        return Lowering(None, False, mod, mod, "", {}, bias)
+        return Lowering(None, False, mod, mod, "", {}, bias, dims)
     from score_mods.raw import ChainMod
 
     chain = ChainMod(f"{mod.name} + masks", (mod, mask))
     static = {f"m1_{k}": t for k, t in mask.cudnn_operands().items()}
     if mask.needs_host_lengths and not has_lengths:
         static.update({f"m1_{k}": t for k, t in mask.length_operands(sq, skv).items()})
-    return Lowering(None, False, chain, mod, "m0_", static, bias)
+    return Lowering(None, False, chain, mod, "m0_", static, bias, dims)
 
 
-def mod_operands(lowering: Lowering, mod: Any, sq: int, skv: int, has_lengths: bool) -> Dict[str, torch.Tensor]:
+def _operands_of(mod: Any, dims: Tuple[int, int, int, int], device: Any) -> Dict[str, torch.Tensor]:
+    if getattr(mod, "needs_dims", False):
+        return dict(mod.cudnn_operands(dims, device=device))
+    return dict(mod.cudnn_operands())
+
+
+def mod_operands(lowering: Lowering, mod: Any, has_lengths: bool, device: Any = None) -> Dict[str, torch.Tensor]:
     """The graph operands of this call's mod (values as bound now), named as the graph expects
     (without the "sm:" slot prefix), plus the plan's static mask operands."""
     if lowering.graph_mod is None:
         return {}
-    if lowering.bias_param is not None:
-        mod = _without_bias(mod)
-    ops = dict(mod.cudnn_operands())
+    if lowering.bias is not None:
+        mod = split(mod)[0]
+    sq, skv = lowering.dims[2], lowering.dims[3]
+    ops = _operands_of(mod, lowering.dims, device)
     if mod.needs_host_lengths and not has_lengths:
         ops.update(mod.length_operands(sq, skv))
     prefix = lowering.user_prefix
@@ -186,13 +203,19 @@ def _length_scalars(sq: int, skv: int) -> Dict[str, torch.Tensor]:
 _LENGTHS = BoundedMemo(64, "cudnn.length_scalars")
 
 
-def bias_tensor(lowering: Lowering, mod: Any) -> Optional[torch.Tensor]:
-    """This call's bias as the 4-D (B|1, H|1, Sq, Skv) view the bias input takes, or None."""
-    if lowering.bias_param is None:
+def bias_tensor(lowering: Lowering, mod: Any, device: Any = None, dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+    """This call's bias as the 4-D (B|1, H|1, Sq, Skv) tensor the bias input takes, or None:
+    the tensor parameter itself ("view"), or the term materialized with autograd ("dense")."""
+    if lowering.bias is None:
         return None
-    name, axes = lowering.bias_param
-    t = mod.tensors()[name]
-    shape = [1, 1, 1, 1]
-    for d, a in enumerate(axes):
-        shape[("b", "h", "q_idx", "kv_idx").index(a)] = t.shape[d]
-    return t.reshape(shape)
+    bias_part = split(mod)[1]
+    if lowering.bias == "view":
+        name, axes = _view_param(bias_part)
+        t = bias_part.tensors()[name]
+        shape = [1, 1, 1, 1]
+        for d, a in enumerate(axes):
+            shape[("b", "h", "q_idx", "kv_idx").index(a)] = t.shape[d]
+        return t.reshape(shape)
+    from score_mods import materialize
+
+    return materialize(bias_part, lowering.dims, device=device, dtype=dtype)

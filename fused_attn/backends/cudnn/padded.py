@@ -76,8 +76,9 @@ class PaddedAsThdRunner:
         b, sq, _ = self.shape
         return lse.view(lse.shape[0], b, sq).permute(1, 0, 2).contiguous()  # (H, B*Sq) -> (B, H, Sq)
 
-    def forward(self, q, k, v, varlen, mod, sinks, rng=None):
-        out, lse, saved, state = self.runner.forward(*self._inputs(q, k, v), self._varlen(varlen), mod, sinks, rng)
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
+        out, lse, saved, state = self.runner.forward(*self._inputs(q, k, v), self._varlen(varlen), mod, sinks, rng,
+                                                     extras)
         out = self._unpacked(out, self.shape[1])
         return out, (None if lse is None else self._lse(lse)), saved, state
 
@@ -88,6 +89,10 @@ class PaddedAsThdRunner:
 
     def backward(self, state, saved, grad_out):
         return self._grads(self.runner.backward(state, saved, self._packed(grad_out, self.shape[1])))
+
+    def op_grads(self, mod: Any, sinks: Any, grads: tuple) -> list:
+        """The extra gradients of `backward_call`, already per op input (see DenseRunner.op_grads)."""
+        return list(grads[3:])
 
     def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
         sq = self.shape[1]

@@ -43,7 +43,7 @@ class ThdRunner:
         self.dev = p.device.index if p.device.index is not None else torch.cuda.current_device()
         self.layout = VL.ThdLayout(p.batch, bb, tuple(sorted({h * d, h * dv})), tuple(sorted({hkv * d, hkv * dv})),
                                    p.device)
-        self.lowering = L.plan_lowering(spec, spec.score_mod, sq, skv, has_lengths=True)
+        self.lowering = L.plan_lowering(spec, spec.score_mod, (bb, h, sq, skv), has_lengths=True)
         self.has_mod = self.lowering.graph_mod is not None
         self.gaps_q, self.gaps = p.q_offsets, p.q_offsets or p.kv_offsets
         self.copy_inputs = not p.aligned or any(
@@ -65,7 +65,7 @@ class ThdRunner:
         self.graphs.build_all()
 
     def _operands(self, mod: Any) -> Dict[str, torch.Tensor]:
-        ops = L.mod_operands(self.lowering, mod, self.dims[0][2], self.dims[1][2], has_lengths=True)
+        ops = L.mod_operands(self.lowering, mod, has_lengths=True, device=self.static.device)
         ops = {f"sm:{k}": t for k, t in ops.items()}
         ops["attn_scale"] = self.scale
         return ops
@@ -100,6 +100,10 @@ class ThdRunner:
         stats = VL.scatter_lse(lse.detach().to(torch.float32), thd, self.stats_shape)
         return self.backward_call(q, k, v, out, stats, varlen, mod, sinks, grad_out)
 
+    def op_grads(self, mod: Any, sinks: Any, grads: tuple) -> list:
+        """The extra gradients of `backward_call`, already per op input (see DenseRunner.op_grads)."""
+        return list(grads[3:])
+
     def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
         """The backward from the call's arguments (the custom-op path, which keeps no state;
         `rng`: the forward's dropout seed and offset)."""
@@ -107,7 +111,7 @@ class ThdRunner:
         saved = (q, k, v, out, stats) + (() if sinks is None else (sinks,))
         return self.backward((bind, thd, sinks is not None), saved, grad_out)
 
-    def forward(self, q, k, v, varlen, mod, sinks, rng=None):
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
         (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks, rng)
         alloc = torch.zeros if self.gaps_q else torch.empty  # tokens between sequences stay 0
         out = alloc((q.shape[0], self.heads, self.head_dim_v), dtype=q.dtype, device=q.device)
