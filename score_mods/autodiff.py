@@ -3,7 +3,8 @@
 `grad_dag(root)` returns a new DAG for d(loss)/d(score) in terms of the leaf `grad`
 (= d(loss)/d(root)) and forward nodes, so the cuDNN lowering can reuse forward intermediates
 from its memo and the eager evaluator can check it against torch.autograd. Masks become
-selects of the incoming gradient: d/dx where(c, x, y) = where(c, g, 0).
+selects of the incoming gradient: d/dx where(c, x, y) = where(c, g, 0). Piecewise-constant ops
+(floor, ceil, //, bit operations, gathers at computed indices) have derivative 0.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import math
 from typing import Dict, List
 
+from . import optable
 from .expr import Node, const, topo_order
 
 GRAD = Node("grad")
 _ZERO = const(0.0)
+_ONE = const(1.0)
+_TWO_OVER_SQRT_PI = const(2.0 / math.sqrt(math.pi))
 
 
 def depends_on_score(root: Node) -> Dict[Node, bool]:
@@ -28,9 +32,44 @@ def _sel(c: Node, x: Node, y: Node) -> Node:
     return Node("where", (c, x, y))
 
 
+def _eq0(x: Node) -> Node:
+    return Node("eq", (x, _ZERO), dtype="b")
+
+
+def _pow_grads(n: Node, g: Node) -> List[Node]:
+    """d(a ** b): b * a ** (b - 1) and a ** b * log(a), zeroed where torch zeroes them
+    (exponent 0; base 0 with a non-negative exponent)."""
+    a, b = n.args
+    if b.op == "const":
+        c = float(b.attr)
+        if c == 0.0:
+            da = None
+        elif c == 1.0:
+            da = g
+        elif c == 2.0:
+            da = Node("mul", (g, Node("mul", (a, const(2.0)))))
+        else:
+            da = Node("mul", (g, Node("mul", (Node("pow", (a, const(c - 1.0))), const(c)))))
+    else:
+        raw = Node("mul", (g, Node("mul", (b, Node("pow", (a, Node("sub", (b, _ONE))))))))
+        da = _sel(_eq0(b), _ZERO, raw)
+    raw_b = Node("mul", (g, Node("mul", (n, Node("log", (a,))))))
+    base0 = Node("and", (_eq0(a), Node("ge", (b, _ZERO), dtype="b")), dtype="b")
+    return [da, _sel(base0, _ZERO, raw_b)]
+
+
 def _local_grads(n: Node, g: Node) -> List[Node]:
-    """Gradient contribution to each argument of n (None for boolean args)."""
+    """Gradient contribution to each argument of n (None: no contribution)."""
     op, a = n.op, n.args
+    if op in optable.PIECEWISE_CONSTANT or op == "gather":
+        return [None] * len(a)
+    if op == "mod":  # a - b * floor(a / b)
+        return [g, Node("neg", (Node("mul", (g, Node("floordiv", a))),))]
+    if op == "pow":
+        return _pow_grads(n, g)
+    if op == "erf":
+        x = a[0]
+        return [Node("mul", (g, Node("mul", (Node("exp", (Node("neg", (Node("mul", (x, x)),)),)), _TWO_OVER_SQRT_PI))))]
     if op == "add":
         return [g, g]
     if op == "sub":
@@ -99,4 +138,4 @@ def grad_dag(root: Node) -> Node:
             if ga is None or not dep[arg]:
                 continue
             acc[arg] = Node("add", (acc[arg], ga)) if arg in acc else ga
-    return acc[Node("score")]
+    return acc.get(Node("score"), _ZERO)

@@ -4,9 +4,17 @@ A `ScoreMod` is what `dot_product_attention(score_mod=...)` receives once it has
 normalized (`as_score_mod`). The backends use only the members below:
 
 * the reference backend calls `eager(...)` on fp32 score blocks;
-* the cuDNN backend puts `cache_key` in its graph key, creates one graph input per entry of
-  `cudnn_operands(...)` (binding the same torch tensors at every execute), and calls
-  `lower_forward` / `lower_backward` from inside the frontend's score_mod callbacks.
+* the cuDNN backend checks `cudnn_unsupported` (None = it can lower the mod), puts `cache_key`
+  in its graph key, creates one graph input per entry of `cudnn_operands(dims, device=...)`
+  (binding those torch tensors at every execute; `describe_operands` of them goes into the
+  graph key), and calls `lower_forward` / `lower_backward` from inside the frontend's score_mod
+  callbacks.
+
+Materialization: a mod may evaluate score-free index subexpressions (`q_idx // 4`, Morton
+decoding, table gathers) eagerly into graph inputs; those need the graph's dims (B, H, Sq, Skv)
+-- for packed (thd) problems the bucketed graph dims, since positions are within a sequence.
+`needs_dims` says whether a mod needs them; without dims, `cudnn_operands()` keeps its old
+behaviour and raises ValueError for a mod that needs them.
 
 Scores the modifier sees are *scaled* (softmax_scale already applied), fp32, and indexed by
 (b, h, q_idx, kv_idx) within the current sequence; q_len / kv_len are that sequence's lengths.
@@ -15,7 +23,7 @@ Scores the modifier sees are *scaled* (softmax_scale already applied), fp32, and
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Hashable, Optional
+from typing import Any, Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -44,6 +52,16 @@ class ScoreMod(abc.ABC):
     def uses_lengths(self) -> bool:
         """True if the expression reads q_len / kv_len (the backend then supplies them)."""
         return False
+
+    @property
+    def needs_dims(self) -> bool:
+        """True if `cudnn_operands` needs `dims` (the mod materializes index subexpressions)."""
+        return False
+
+    @property
+    def cudnn_unsupported(self) -> Optional[str]:
+        """None if the cuDNN lowering can run this mod, else why not (NotImplementedError text)."""
+        return None
 
     @property
     def has_reference(self) -> bool:
@@ -86,13 +104,17 @@ class ScoreMod(abc.ABC):
         differentiable by torch.autograd with respect to score.
         """
 
-    def cudnn_operands(self) -> Dict[str, torch.Tensor]:
+    def cudnn_operands(self, dims: Optional[Tuple[int, int, int, int]] = None, *,
+                       device: Optional[torch.device] = None) -> Dict[str, torch.Tensor]:
         """Named 4-D torch tensors the cuDNN graph takes as extra inputs, bound at every execute.
 
-        Scalars: CPU fp32 tensors of shape (1, 1, 1, 1) (pass-by-value). Tensor parameters:
-        4-D views on the device, size 1 on the axes they are not indexed by (for instance
-        slopes[h] -> (1, H, 1, 1)). Dims, strides, dtypes and which are CPU go into the
-        graph key; values never do. The backend adds LENGTH_OPERANDS itself.
+        dims: the graph's logical (B, H, Sq, Skv) (bucketed dims for thd); device: the inputs'
+        device. Scalars: CPU fp32 tensors of shape (1, 1, 1, 1) (pass-by-value). Tensor
+        parameters: 4-D views on the device, size 1 on the axes they are not indexed by (for
+        instance slopes[h] -> (1, H, 1, 1)). Materialized subexpressions: fp32 device tensors
+        of shape (B|1, H|1, Sq|1, Skv|1), memoized across calls (needs dims). Dims, strides,
+        dtypes and which are CPU go into the graph key; values never do. The backend adds
+        LENGTH_OPERANDS itself.
         """
         return {}
 

@@ -1,99 +1,171 @@
 """Evaluate a score_mod DAG with torch: the reference semantics (and the flex_attention twin).
 
-Index tensors are int64 and broadcast against score; tensor parameters are gathered with the
-index tensors (a size-1 dim on the b/h axis broadcasts), so the same code serves full score
-matrices, query blocks, and flex_attention's scalar index tensors.
+Index tensors are int64 and broadcast against score. Integer nodes stay exact: int64 tensors
+with floor division (torch.div(rounding_mode="floor")), Python-sign remainder
+(torch.remainder) and bitwise ops; `floor` / `ceil` of a float give integral float tensors
+(so an infinity in an unselected where() branch stays harmless), converted to int64 where an
+op needs true integers (bit operations, gather indices). Float nodes compute in the score's
+dtype (`float_dtype` when there is no score, e.g. materialized operands); Python numbers stay
+Python numbers (folded with optable.fold) until they meet a tensor.
+
+Tensor parameters are gathered with their index expressions; a size-1 dim indexed by a bare
+`b` or `h` broadcasts (index 0). The same code serves full score matrices, query blocks and
+flex_attention's scalar index tensors (under vmap).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from . import optable
 from .expr import INDEX_AXES, Node, topo_order
 
-_UNARY = {
-    "neg": torch.neg, "tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "abs": torch.abs,
-    "sqrt": torch.sqrt, "sigmoid": torch.sigmoid, "not": torch.logical_not,
-}
-_BINARY = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.true_divide,
-    "minimum": torch.minimum, "maximum": torch.maximum,
-    "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
-    "and": torch.logical_and, "or": torch.logical_or,
-}
+
+def _is_t(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
 
 
-def _t(x: Any, like: torch.Tensor) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
+def _as_float(x: Any, dtype: torch.dtype) -> Any:
+    """Tensor operands of float nodes in the float dtype; Python numbers stay Python."""
+    if _is_t(x) and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+def _as_int(x: Any) -> Any:
+    """Integer operands for bit operations and gather indices: int64 tensors or Python ints."""
+    if _is_t(x):
+        return x if x.dtype in (torch.int64, torch.int32) else x.to(torch.int64)
+    return int(x)
+
+
+def _tensor(x: Any, ref: Any, dtype: torch.dtype) -> torch.Tensor:
+    """x as a tensor on the device of `ref` (a tensor, a list holding one, or None)."""
+    if _is_t(x):
         return x
-    return torch.tensor(x, dtype=like.dtype if like.is_floating_point() else torch.float32, device=like.device)
+    if isinstance(ref, (list, tuple)):
+        ref = _first_t(ref)
+    device = ref.device if _is_t(ref) else None
+    if isinstance(x, bool):
+        return torch.tensor(x, device=device)
+    if isinstance(x, int):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+    return torch.tensor(x, dtype=dtype, device=device)
 
 
-def gather_param(t: torch.Tensor, axes: tuple, index: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """t[index[axes[0]], index[axes[1]], ...] with size-1 dims broadcast (index 0)."""
-    idx = []
-    for dim, axis in enumerate(axes):
-        i = index[axis]
-        idx.append(torch.zeros_like(i) if t.shape[dim] == 1 else i)
-    return t[tuple(idx)]
+def gather(t: torch.Tensor, n: Node, idx: list) -> torch.Tensor:
+    """t[idx...]; a size-1 dim indexed by a bare b / h index argument broadcasts (index 0)."""
+    if len(idx) != t.dim():
+        raise ValueError(
+            f"tensor parameter {n.attr!r} is indexed with {len(idx)} indices but has {t.dim()} dims "
+            f"(shape {tuple(t.shape)})"
+        )
+    out = []
+    for dim, (arg, i) in enumerate(zip(n.args, idx)):
+        if t.shape[dim] == 1 and arg.op == "index" and arg.attr in ("b", "h"):
+            i = torch.zeros_like(i) if _is_t(i) else 0
+        out.append(_as_int(i))
+    if not any(_is_t(i) for i in out):
+        return t[tuple(out)]
+    device = t.device
+    return t[tuple(i.to(device) if _is_t(i) else i for i in out)]
 
 
-def evaluate(root: Node, env: Dict[str, Any], params: Mapping[str, Any], extra: Mapping[Node, Any] = None) -> torch.Tensor:
+def evaluate(root: Node, env: Dict[str, Any], params: Mapping[str, Any], extra: Mapping[Node, Any] = None,
+             float_dtype: Optional[torch.dtype] = None) -> Any:
     """Value of `root`.
 
-    env: "score" (float tensor), "b", "h", "q_idx", "kv_idx" (int64 tensors broadcastable to
-    score), "q_len", "kv_len" (ints or int64 tensors), optionally "grad" (for gradient DAGs).
-    params: float parameter values and tensor parameters by name. extra: precomputed nodes.
+    env: "score" (float tensor; optional for score-free DAGs), "b", "h", "q_idx", "kv_idx"
+    (int64 tensors broadcastable to score, or ints), "q_len", "kv_len" (ints or int64
+    tensors), optionally "grad" (for gradient DAGs). params: scalar parameter values and
+    tensor parameters by name. extra: precomputed nodes. The result is a tensor broadcast to
+    score when there is a score; otherwise a tensor or Python number of the root's own shape.
     """
     vals: Dict[Node, Any] = dict(extra or {})
-    like = env["score"]
+    like = env.get("score")
+    fdt = like.dtype if like is not None and like.is_floating_point() else (float_dtype or torch.float32)
     for n in topo_order(root):
         if n in vals:
             continue
-        op, a = n.op, [vals[x] for x in n.args]
-        if op in ("score", "grad"):
-            v = env[op]
-        elif op == "index":
-            v = env[n.attr]
-        elif op == "length":
-            v = env[n.attr]
-        elif op == "const":
-            v = n.attr
-        elif op == "param":
-            v = params[n.attr]
-        elif op == "tparam":
-            name, axes = n.attr
-            v = gather_param(params[name], axes, env)
-            if not v.is_floating_point():
-                v = v.to(torch.int64)
-        elif op in _BINARY:
-            if not isinstance(a[0], torch.Tensor) and not isinstance(a[1], torch.Tensor):
-                v = _py_binary(op, a[0], a[1])
-            else:
-                v = _BINARY[op](_t(a[0], like), _t(a[1], like))
-        elif op in _UNARY:
-            x = _t(a[0], like)
-            v = _UNARY[op](x if op == "not" or x.is_floating_point() else x.to(like.dtype))
-        elif op == "where":
-            v = torch.where(a[0], _t(a[1], like), _t(a[2], like))
-        elif op == "tanh_bwd":
-            v = a[0] * (1 - torch.tanh(_t(a[1], like)) ** 2)
-        elif op == "sigmoid_bwd":
-            s = torch.sigmoid(_t(a[1], like))
-            v = a[0] * s * (1 - s)
-        else:  # pragma: no cover - every op is listed above
-            raise NotImplementedError(f"eager evaluation of op {op!r}")
-        vals[n] = v
+        vals[n] = _node_value(n, [vals[x] for x in n.args], env, params, like, fdt)
     out = vals[root]
-    return out if isinstance(out, torch.Tensor) else _t(out, like).expand_as(like)
+    if like is None:
+        return out
+    if not _is_t(out):
+        out = _tensor(out, like, fdt)
+    if out.dtype != fdt and out.dtype != torch.bool:
+        out = out.to(fdt)
+    return out.expand(torch.broadcast_shapes(out.shape, like.shape))
 
 
-def _py_binary(op: str, x: Any, y: Any) -> Any:
-    tx = torch.as_tensor(x, dtype=torch.float64)
-    return _BINARY[op](tx, torch.as_tensor(y, dtype=torch.float64)).item()
+def _node_value(n: Node, a: list, env: Dict[str, Any], params: Mapping[str, Any], like, fdt) -> Any:
+    op = n.op
+    if op in ("score", "grad"):
+        return env[op]
+    if op in ("index", "length"):
+        return env[n.attr]
+    if op == "const":
+        return n.attr
+    if op == "param":
+        return params[n.attr]
+    if op == "gather":
+        v = gather(params[n.attr], n, a)
+        if n.dtype == "i":
+            v = v.to(torch.int64)
+        elif n.dtype == "b":
+            v = v.to(torch.bool)
+        return v
+    if not any(_is_t(x) for x in a):  # every operand a Python number / bool: fold
+        return optable.fold(op, *a)
+    if op == "where":
+        x, y = a[1], a[2]
+        if n.dtype == "f":
+            x, y = _as_float(x, fdt), _as_float(y, fdt)
+        return torch.where(_tensor(a[0], a, fdt), _tensor(x, a, fdt), _tensor(y, a, fdt))
+    if op == "tanh_bwd":
+        return a[0] * (1 - torch.tanh(_as_float(a[1], fdt)) ** 2)
+    if op == "sigmoid_bwd":
+        s = torch.sigmoid(_as_float(a[1], fdt))
+        return a[0] * s * (1 - s)
+    fn = optable.TORCH[op]
+    if op in optable.BITWISE or op == "bitnot":
+        a = [_as_int(x) for x in a]
+        if not _is_t(a[0]):
+            a[0] = _tensor(a[0], a[1], fdt)
+        return fn(*a)
+    if op in optable.LOGIC:
+        return fn(*(_tensor(x, a, fdt) for x in a))
+    if n.dtype == "f" or op in optable.UNARY_FLOAT or op == "div":
+        a = [_as_float(x, fdt) for x in a]
+    elif op in optable.CMP_OPS and any(_is_t(x) and x.is_floating_point() for x in a):
+        a = [_as_float(x, fdt) if _is_t(x) else x for x in a]
+    if op in ("floor", "ceil") and _is_t(a[0]) and not a[0].is_floating_point():
+        return a[0]
+    if op == "pow" and not _is_t(a[0]):
+        a[0] = _tensor(a[0], a[1], fdt if n.dtype == "f" else torch.int64)
+    if len(a) == 2 and not _is_t(a[0]) and op in ("floordiv", "mod", "minimum", "maximum"):
+        a[0] = _tensor(a[0], a[1], fdt if n.dtype == "f" else torch.int64)
+    if len(a) == 2 and not _is_t(a[1]) and op in ("minimum", "maximum"):
+        a[1] = _tensor(a[1], a[0], fdt if n.dtype == "f" else torch.int64)
+    return fn(*a)
+
+
+def _first_t(a: list) -> Optional[torch.Tensor]:
+    return next((x for x in a if _is_t(x)), None)
 
 
 def index_env(score: torch.Tensor, b, h, q_idx, kv_idx, q_len, kv_len) -> Dict[str, Any]:
     return dict(zip(("score",) + INDEX_AXES + ("q_len", "kv_len"), (score, b, h, q_idx, kv_idx, q_len, kv_len)))
+
+
+def grid_env(dims, device=None) -> Dict[str, Any]:
+    """Index tensors for a (B, H, Sq, Skv) grid: b (B,1,1,1), h (1,H,1,1), q (1,1,Sq,1), kv (1,1,1,Skv)."""
+    env: Dict[str, Any] = {}
+    for axis, (name, size) in enumerate(zip(INDEX_AXES, dims)):
+        shape = [1, 1, 1, 1]
+        shape[axis] = int(size)
+        env[name] = torch.arange(int(size), device=device).view(shape)
+    env["q_len"], env["kv_len"] = int(dims[2]), int(dims[3])
+    return env

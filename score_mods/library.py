@@ -12,19 +12,22 @@ Masks (masked scores become -inf; i = q_idx, j = kv_idx within the sequence):
     padding_mask()         i < q_len and j < kv_len
 
 Window sizes and softcap's cap are runtime scalars: new values never rebuild a cuDNN graph.
+Factories name their mods with their values, attention-gym style: softcap(30.0).name ==
+"softcap_30", sliding_window(128, 0).name == "sliding_window_128_0" (names never enter keys).
+`and_masks` / `or_masks` combine mask mods (or flex-style mask_mod functions) like flex's.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
 from . import expr
 from .base import ScoreMod
 from .expr import Node, TensorParam, kv_len, q_len, tanh, where
-from .trace import ParamSpec, TracedMod, score_mod
+from .trace import TracedMod, _fmt, mask_mod, mask_root, score_mod
 
 _NEG_INF = -math.inf
 
@@ -92,8 +95,36 @@ def padding_mask() -> TracedMod:
     return _padding
 
 
+def _finite_positive(fn: str):
+    def check(name: str, v: float) -> None:
+        if not (v > 0 and math.isfinite(v)):
+            raise ValueError(f"{fn}: {name} must be a finite float > 0, got {v!r}")
+
+    return check
+
+
+def _non_negative(fn: str):
+    def check(name: str, v: float) -> None:
+        if not v >= 0:
+            raise ValueError(f"{fn}: {name} must be >= 0, got {v!r}")
+
+    return check
+
+
+def _with_checks(mod: TracedMod, **checks) -> TracedMod:
+    for name, check in checks.items():
+        mod.specs[name] = mod.specs[name].renamed(name)
+        mod.specs[name].check = check
+    return mod
+
+
+_softcap = _with_checks(_softcap, cap=_finite_positive("softcap"))
+_softcap._name_fn = lambda v: f"softcap_{_fmt(v['cap'])}"
+
+
 def softcap(cap: float = 30.0) -> TracedMod:
-    """cap * tanh(score / cap); cap > 0 is a runtime scalar."""
+    """cap * tanh(score / cap); cap > 0 is a runtime scalar (finite: softcap(inf) is the identity,
+    pass no score_mod instead). Named "softcap_<cap>"."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0 or math.isinf(cap):
         raise ValueError(f"softcap: cap must be a finite float > 0, got {cap!r}")
     return _softcap(cap=float(cap))
@@ -130,7 +161,12 @@ def sliding_window(left: int, right: int, bottom_right: bool = False) -> TracedM
 
     left_bounded, right_bounded = left != -1, right != -1
     body.__name__ = "sliding_window"
-    mod = score_mod(body)(left=float(max(left, 0)), right=float(max(right, 0)))
+    check = _non_negative("sliding_window")
+    mod = _with_checks(score_mod(body), left=check, right=check)
+    suffix = "_bottom_right" if bottom_right else ""
+    mod._name_fn = lambda v: (f"sliding_window_{_fmt(v['left']) if left_bounded else -1}_"
+                              f"{_fmt(v['right']) if right_bounded else -1}{suffix}")
+    mod = mod(left=float(max(left, 0)), right=float(max(right, 0)))
     return _as_band(mod, None if left == -1 else left, None if right == -1 else right, bottom_right)
 
 
@@ -178,19 +214,27 @@ def document_mask(doc_ids: torch.Tensor) -> TracedMod:
 
 # --------------------------------------------------------------------------- composition
 
-def _prefix_dag(root: Node, prefix: str, score: Node) -> Node:
+def _prefix_dag(root: Node, prefix: str, score: Optional[Node]) -> Node:
     done: Dict[Node, Node] = {}
     for n in expr.topo_order(root):
         if n.op == "score":
             out = score
         elif n.op == "param":
-            out = Node("param", attr=prefix + n.attr)
-        elif n.op == "tparam":
-            out = Node("tparam", attr=(prefix + n.attr[0], n.attr[1]))
+            out = Node("param", attr=prefix + n.attr, dtype=n.dtype)
+        elif n.op == "gather":
+            out = Node("gather", tuple(done[a] for a in n.args), prefix + n.attr, n.dtype)
         else:
             out = Node(n.op, tuple(done[a] for a in n.args), n.attr, n.dtype) if n.args else n
         done[n] = out
     return done[root]
+
+
+def _merge_params(mods, specs: dict, values: dict) -> None:
+    for i, m in enumerate(mods):
+        prefix = f"m{i}_"
+        for p, s in m.specs.items():
+            specs[prefix + p] = s.renamed(prefix + p)
+            values[prefix + p] = m._values.get(p)
 
 
 def compose(*mods: ScoreMod) -> ScoreMod:
@@ -213,9 +257,43 @@ def compose(*mods: ScoreMod) -> ScoreMod:
         return ChainMod(name, mods)
     root, specs, values = Node("score"), {}, {}
     for i, m in enumerate(mods):
-        prefix = f"m{i}_"
-        root = _prefix_dag(m.root, prefix, root)
-        for p, s in m.specs.items():
-            specs[prefix + p] = ParamSpec(prefix + p, s.kind, s.tkind, s.default_value)
-            values[prefix + p] = m._values.get(p)
+        root = _prefix_dag(m.root, f"m{i}_", root)
+    _merge_params(mods, specs, values)
     return TracedMod(name, root, specs, values)
+
+
+def _as_mask(fn: str, i: int, m: Any) -> TracedMod:
+    if isinstance(m, TracedMod):
+        if m.mask_condition() is None:
+            raise TypeError(f"{fn}(): argument {i} ({m.name!r}) is not a mask (it changes scores); pass mask mods")
+        return m
+    if isinstance(m, ScoreMod) or not callable(m):
+        raise TypeError(f"{fn}(): argument {i} is {type(m).__name__}, expected a mask mod or a mask_mod function")
+    return mask_mod(m)
+
+
+def _combine_masks(fn: str, op: str, mods: tuple) -> TracedMod:
+    if not mods:
+        raise ValueError(f"{fn}() needs at least one mask")
+    masks = [_as_mask(fn, i, m) for i, m in enumerate(mods)]
+    if len(masks) == 1:
+        return masks[0]
+    cond = None
+    for i, m in enumerate(masks):
+        c = _prefix_dag(m.mask_condition(), f"m{i}_", None)
+        cond = c if cond is None else Node(op, (cond, c), dtype="b")
+    specs, values = {}, {}
+    _merge_params(masks, specs, values)
+    return TracedMod(f"{fn}({', '.join(m.name for m in masks)})", mask_root(cond), specs, values)
+
+
+def and_masks(*masks: Any) -> TracedMod:
+    """Attend where every mask attends (flex's and_masks). Arguments: mask mods (causal(),
+    @mask_mod functions, ...) or plain (b, h, q_idx, kv_idx) -> condition functions;
+    parameters are renamed "m<i>_<name>" as in compose."""
+    return _combine_masks("and_masks", "and", masks)
+
+
+def or_masks(*masks: Any) -> TracedMod:
+    """Attend where any mask attends (flex's or_masks); see and_masks."""
+    return _combine_masks("or_masks", "or", masks)

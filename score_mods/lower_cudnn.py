@@ -1,45 +1,122 @@
 """Lower a score_mod DAG (forward and derived backward) to cuDNN frontend pointwise ops.
 
+Every node of the DAG is classified once, structurally (`Plan`):
+
+  scalar        only constants, scalar parameters and lengths below: folded on the host into
+                one pass-by-value fp32 operand (as before);
+  in-graph      depends on the score (or dS), or on BOTH q_idx and kv_idx through ops the
+                engines accept: emitted as pointwise ops inside the fused kernel;
+  materialized  a score-free subexpression that would cost kernel work or that the engines
+                cannot do, evaluated eagerly with exact torch semantics and bound as a graph
+                input (materialization.py): *single-axis* (depends on at most one of q_idx /
+                kv_idx, plus b, h, parameters) -> a broadcast (B|1, H|1, Sq|1, Skv|1)
+                tensor, when it contains anything beyond + - * and comparisons (//, %, bit
+                tricks, clamps, floor, table gathers: Morton decoding costs O(S) once, nothing
+                in the kernel); *dense* (depends on both) -> (B|1, H|1, Sq, Skv), when its op
+                cannot be emitted (a gather at q_idx - kv_idx + c, bit ops mixing both axes);
+  view          a tensor parameter indexed by bare index arguments in axis order (bias[b, h,
+                q_idx, kv_idx], slopes[h], ids[q_idx]): bound as a view, no copy (as before).
+
 Rules the H100 engines imposed (benchmarks/results/frontend_probe_h100.md):
-* every emitted op has an input derived from score / dS / gen_index: subexpressions of only
-  scalars (constants, float params, lengths) are folded on the host into one pass-by-value
-  operand; ops on tensor parameters alone are anchored by adding a zero built as
-  sub(gen_index, gen_index);
+* every emitted op has an input derived from score / dS / gen_index, and a graph input or a
+  pass-by-value scalar is never an op's first input: such inputs are anchored by adding a zero
+  built as sub(gen_index, gen_index);
 * a comparison a OP b is rewritten as E OP c, with E the index-dependent part of a - b (e.g.
-  kv_idx - q_idx) and c a host-folded scalar; a pbv scalar is never the first input;
-* `where` on &, |, ~ becomes nested binary_selects on single comparisons;
+  kv_idx - q_idx) and c a host-folded scalar;
+* `where` on &, |, ^, ~ becomes nested binary_selects on single comparisons; a materialized
+  condition is bound as 0/1 and compared with 0.5;
 * every op gets compute type FLOAT and an explicit output type (FLOAT or BOOLEAN).
+Integer values are carried in fp32 in the graph: exact below 2**24 (positions are).
 `cudnn` is imported only when ops are emitted.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import expr
+from . import expr, optable
 from .autodiff import grad_dag
-from .expr import Node, const, topo_order
+from .expr import Node, const, direct_axes, show, topo_order
 
-_SCALAR_LEAVES = ("const", "param", "length")
-_DERIVED_LEAVES = ("score", "grad", "index", "zero")
-_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
-_NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
+# --------------------------------------------------------------------------- the one table
+
+#: How each op beyond the probe-accepted basics is emitted inside the cuDNN graph, when it
+#: depends on the score or on both q_idx and kv_idx. A value is a graph method name, a recipe
+#: from `RECIPES`, or None: never emitted (score-free uses are materialized densely; a
+#: score-dependent use makes the mod unsupported on cuDNN, with a NotImplementedError naming
+#: the op). THIS is the table to edit after the GPU probe of floor / ceil / mod / div / erf /
+#: pow acceptance (e.g. "floor": None turns every in-graph // and % into materializations).
+IN_GRAPH: Dict[str, Optional[str]] = {
+    "floordiv": "floor_div",   # floor(a / b); exact for |a| < 2**24
+    "mod": "floor_mod",        # a - b * floor(a / b): Python's sign (follows b)
+    "floor": "floor",
+    "ceil": "ceil",
+    "erf": "erf",
+    "pow": "pow",
+    "bitand": None, "bitor": None, "bitxor": None, "lshift": None, "rshift": None, "bitnot": None,
+    "gather": None,            # no gather in the pointwise language: views or materializations only
+}
+
+#: cuDNN's backward recomputed irregular masks wrongly on H100/H200 (document ids; 2-D
+#: neighbourhoods: dQ off by up to 4.0) while the forward was right. While False, a mod whose
+#: where() condition reads a graph input (a tensor view or a materialized operand) reports
+#: has_backward = False (its gradients come from the reference backend). Flip after a GPU probe.
+IRREGULAR_MASK_BACKWARD = False
+
+#: recipe -> (table entries it needs, builder of the expansion over the op's arguments)
+RECIPES: Dict[str, Tuple[Tuple[str, ...], Callable[..., Node]]] = {
+    "floor_div": (("floor",), lambda a, b: Node("floor", (Node("div", (a, b)),))),
+    "floor_mod": (("floor",), lambda a, b: Node("sub", (a, Node("mul", (b, Node("floor", (Node("div", (a, b)),))))))),
+}
+
+#: Accepted by the engines (probe tables): always emitted in-graph.
+BASE_OPS = frozenset(
+    ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "tanh", "sqrt", "sigmoid", "minimum", "maximum",
+     "reciprocal", "tanh_bwd", "sigmoid_bwd", "select") + optable.CMP_OPS
+)
+
 _GRAPH_OP = {
     "minimum": "min", "maximum": "max", "tanh_bwd": "tanh_backward", "sigmoid_bwd": "sigmoid_backward",
     "select": "binary_select", "lt": "cmp_lt", "le": "cmp_le", "gt": "cmp_gt", "ge": "cmp_ge",
     "eq": "cmp_eq", "ne": "cmp_neq",
 }
+
+
+def emittable(op: str) -> bool:
+    """True if `op` can be emitted inside the graph (BASE_OPS, or IN_GRAPH with its recipe's needs)."""
+    if op in BASE_OPS:
+        return True
+    how = IN_GRAPH.get(op)
+    if how is None:
+        return False
+    if how in RECIPES:
+        return all(emittable(p) for p in RECIPES[how][0])
+    return True
+
+
+def graph_op(op: str) -> str:
+    """The frontend method emitting a (rewritten) node's op."""
+    return IN_GRAPH.get(op) or _GRAPH_OP.get(op, op)
+
+
+# --------------------------------------------------------------------------- structural facts
+
+_SCALAR_LEAVES = ("const", "param", "length")
+_DERIVED_LEAVES = ("score", "grad", "index", "zero")
+_FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}
+_NEGATE = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt", "eq": "ne", "ne": "eq"}
 ZERO = Node("zero")
+_HALF = const(0.5)
 AXIS_LETTER = {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "k"}
+_CHEAP = frozenset(("index", "const", "param", "length", "add", "sub", "neg", "mul", "where") + optable.BOOL_OPS)
 
 
 @functools.lru_cache(maxsize=4096)
 def is_scalar(n: Node) -> bool:
-    """Only constants, float params and lengths below: foldable on the host."""
+    """Only constants, scalar params and lengths below: foldable on the host."""
     return n.op in _SCALAR_LEAVES if not n.args else all(is_scalar(a) for a in n.args)
 
 
@@ -47,6 +124,67 @@ def is_scalar(n: Node) -> bool:
 def is_derived(n: Node) -> bool:
     """Depends on score, dS or an index: an op with such an input is accepted by the engines."""
     return n.op in _DERIVED_LEAVES if not n.args else any(is_derived(a) for a in n.args)
+
+
+class Facts:
+    """Per-node dependencies, computed iteratively (deep DAGs never recurse in Python).
+
+    deps(n): subset of {"S" score/dS, "b", "h", "q", "k", "L" lengths, "T" tensor gathers}.
+    costly(n): the subexpression has an op beyond + - * / comparisons / where / views.
+    """
+
+    _TAG = {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "k"}
+
+    def __init__(self):
+        self._deps: Dict[Node, frozenset] = {}
+        self._costly: Dict[Node, bool] = {}
+
+    def _fill(self, root: Node) -> None:
+        for n in topo_order(root):
+            if n in self._deps:
+                continue
+            if n.op in ("score", "grad"):
+                d = frozenset("S")
+            elif n.op == "index":
+                d = frozenset(self._TAG[n.attr])
+            elif n.op == "length":
+                d = frozenset("L")
+            else:
+                d = frozenset().union(*(self._deps[a] for a in n.args)) if n.args else frozenset()
+                if n.op == "gather":
+                    d = d | {"T"}
+            self._deps[n] = d
+            view = n.op == "gather" and direct_axes(n) is not None and n.dtype != "b"
+            own = not (n.op in _CHEAP or view)
+            self._costly[n] = own or (not view and any(self._costly[a] for a in n.args))
+
+    def deps(self, n: Node) -> frozenset:
+        if n not in self._deps:
+            self._fill(n)
+        return self._deps[n]
+
+    def costly(self, n: Node) -> bool:
+        if n not in self._costly:
+            self._fill(n)
+        return self._costly[n]
+
+    def axes(self, n: Node) -> Tuple[str, ...]:
+        d = self.deps(n)
+        return tuple(a for a in expr.INDEX_AXES if self._TAG[a] in d)
+
+    def materialize(self, n: Node) -> Optional[str]:
+        """"single" / "dense" if n is to be materialized (score-free, not scalar), else None."""
+        d = self.deps(n)
+        if "S" in d or is_scalar(n) or n.op in ("index", "const", "param", "length"):
+            return None
+        if "q" in d and "k" in d:
+            if n.op == "gather":
+                return None if (direct_axes(n) is not None and n.dtype != "b") else "dense"
+            # &, |, ^, ~ and where become nested selects
+            return None if emittable(n.op) or n.op in optable.LOGIC or n.op == "where" else "dense"
+        if n.op == "gather" and direct_axes(n) is not None and n.dtype != "b":
+            return None  # a view
+        return "single" if self.costly(n) else None
 
 
 # --------------------------------------------------------------------------- rewriting
@@ -70,7 +208,7 @@ def _lin(n: Node) -> Tuple[Dict[Node, float], List[Tuple[float, Node]]]:
         for i in (0, 1):
             if n.args[i].op == "const":
                 t, r = _lin(n.args[1 - i])
-                k = n.args[i].attr
+                k = float(n.args[i].attr)
                 return {a: k * v for a, v in t.items()}, [(k * c, x) for c, x in r]
     return {n: 1.0}, []
 
@@ -80,7 +218,7 @@ def _scalar_sum(rem: List[Tuple[float, Node]]) -> Node:
     total, out = 0.0, None
     for c, x in rem:
         if x.op == "const":
-            total += c * x.attr
+            total += c * float(x.attr)
             continue
         term = x if c == 1.0 else (Node("neg", (x,)) if c == -1.0 else Node("mul", (const(c), x)))
         out = term if out is None else Node("add", (out, term))
@@ -119,19 +257,66 @@ def _canon_cmp(c: Node, rw) -> Node:
     return Node(op, (e, rhs), dtype="b")
 
 
-def rewrite(root: Node) -> Node:
-    """The lowering form of root: canonical comparisons, selects, derived inputs first."""
-    done: Dict[Node, Node] = {}
+class Materialized:
+    """A score-free subexpression bound as a graph input: `node` evaluated on the (B, H, Sq, Skv)
+    grid, broadcast over the axes it does not depend on (`axes` it does), as fp32 (conditions 0/1)."""
 
-    def rw(n: Node) -> Node:
-        if n in done:
-            return done[n]
-        if is_scalar(n) or not n.args:
+    __slots__ = ("name", "node", "axes", "kind")
+
+    def __init__(self, name: str, node: Node, axes: Tuple[str, ...], kind: str):
+        self.name, self.node, self.axes, self.kind = name, node, axes, kind
+
+    def shape(self, dims) -> Tuple[int, ...]:
+        return tuple(int(d) if a in self.axes else 1 for a, d in zip(expr.INDEX_AXES, dims))
+
+    def __repr__(self) -> str:
+        return f"<{self.kind} {self.name} = {show(self.node)}>"
+
+
+class _Rewriter:
+    """The lowering form of a DAG: canonical comparisons, selects, derived inputs first,
+    materialized subexpressions and views as leaves, table recipes expanded."""
+
+    def __init__(self, plan: "Plan"):
+        self.plan, self.facts, self.done = plan, plan.facts, {}
+
+    def leaf_for(self, n: Node, how: str) -> Node:
+        plan = self.plan
+        if n not in plan._mat_leaf:
+            axes = self.facts.axes(n)
+            name = f"mat{len(plan.materialized)}@{''.join(AXIS_LETTER[a] for a in axes) or 's'}"
+            plan.materialized[name] = Materialized(name, n, axes, how)
+            if "L" in self.facts.deps(n):
+                plan.length_materialized.append(name)
+            plan._mat_leaf[n] = Node("mat", attr=name, dtype=n.dtype)
+        return plan._mat_leaf[n]
+
+    def rw(self, n: Node) -> Node:
+        if n in self.done:
+            return self.done[n]
+        how = self.facts.materialize(n)
+        if how is not None:
+            out = self.leaf_for(n, how)
+            if n.dtype == "b":
+                out = Node("gt", (out, _HALF), dtype="b")
+        elif is_scalar(n) or not n.args:
             out = n
+        elif n.op == "gather":
+            axes = direct_axes(n)
+            if axes is None:  # score-dependent index, or length-dependent and not materialized
+                out = self.unsupported(n, "a tensor gather whose index depends on the score")
+            else:
+                out = self.plan.view_leaf(n, axes)
         elif n.op == "where":
-            out = sel(n.args[0], rw(n.args[1]), rw(n.args[2]))
+            out = self.sel(n.args[0], self.rw(n.args[1]), self.rw(n.args[2]))
+        elif n.op in optable.BOOL_OPS:
+            out = self.unsupported(n, "a condition used outside where()")
+        elif not emittable(n.op):
+            out = self.unsupported(n, f"op {n.op!r} is not emitted in cuDNN graphs (lower_cudnn.IN_GRAPH)")
+        elif IN_GRAPH.get(n.op) in RECIPES:
+            out = self.rw(RECIPES[IN_GRAPH[n.op]][1](*n.args))
         else:
-            a = [rw(x) for x in n.args]
+            a = [self.rw(x) for x in n.args]
             op = n.op
             if op in ("add", "mul", "minimum", "maximum") and not is_derived(a[0]) and is_derived(a[1]):
                 a.reverse()
@@ -139,52 +324,75 @@ def rewrite(root: Node) -> Node:
                 op, a = "add", [Node("neg", (a[1],)), a[0]]
             elif op == "div" and not is_derived(a[0]) and is_derived(a[1]):
                 op, a = "mul", [Node("reciprocal", (a[1],)), a[0]]
-            if op in expr.BOOL_OPS:
-                raise NotImplementedError(f"boolean op {op!r} outside where() cannot be lowered")
-            out = Node(op, tuple(a))
-        done[n] = out
+            out = Node(op, tuple(a), n.attr, n.dtype)
+        self.done[n] = out
         return out
 
-    def sel(c: Node, x: Node, y: Node) -> Node:
+    def unsupported(self, n: Node, why: str) -> Node:
+        self.plan.unsupported.append(f"{show(n)}: {why}")
+        return Node("unsupported", attr=show(n))
+
+    def sel(self, c: Node, x: Node, y: Node) -> Node:
         if x == y:
             return x
-        if c.op == "and":
-            return sel(c.args[0], sel(c.args[1], x, y), y)
-        if c.op == "or":
-            return sel(c.args[0], x, sel(c.args[1], x, y))
-        if c.op == "not":
-            return sel(c.args[0], y, x)
-        cc = _canon_cmp(c, rw)
+        if self.facts.materialize(c) is not None:
+            cc = self.rw(c)
+        elif c.op == "and":
+            return self.sel(c.args[0], self.sel(c.args[1], x, y), y)
+        elif c.op == "or":
+            return self.sel(c.args[0], x, self.sel(c.args[1], x, y))
+        elif c.op == "not":
+            return self.sel(c.args[0], y, x)
+        elif c.op == "xor":
+            return self.sel(c.args[0], self.sel(c.args[1], y, x), self.sel(c.args[1], x, y))
+        elif c.op in optable.CMP_OPS:
+            cc = _canon_cmp(c, self.rw)
+        else:
+            cc = self.rw(c)  # a gather of a bool tensor parameter whose index depends on the score
+            if cc.op == "unsupported":
+                return cc
         if not is_derived(x) and is_derived(y):
             return Node("select", (y, x, Node(_NEGATE[cc.op], cc.args, dtype="b")))
         return Node("select", (x, y, cc))
 
-    return rw(root)
-
 
 # --------------------------------------------------------------------------- plan
+
+def _anchored(top: Node) -> Node:
+    """The callback must return a graph tensor: a score-free top (a constant dS, a materialized
+    value) is anchored to the index grid."""
+    return top if is_derived(top) else Node("add", (ZERO, top))
+
 
 class Plan:
     """Rewritten forward/backward DAGs and the names of their graph operands.
 
     scalar_names: scalar node -> operand name ("q_len"/"kv_len" for bare lengths, the param
-    name for a bare float param, "c<k>" for a constant, "f<k>" for a folded subexpression).
+    name for a bare scalar param, "c<k>" for a constant, "f<k>" for a folded subexpression).
     length_folds: names of folds that read q_len/kv_len (bound from dense lengths only).
-    tensor_names: tparam node -> operand name, e.g. "slopes@h", "bias@bhqk".
+    tensor_names: view leaf -> operand name, e.g. "slopes@h", "bias@bhqk"; views: that name ->
+    (tensor parameter, axes). materialized: operand name ("mat<k>@<axes>") -> Materialized;
+    length_materialized: those that read q_len/kv_len (dense problems only).
+    mask_reads_inputs: a select's condition reads a view or a materialized operand.
+    unsupported: why the cuDNN lowering cannot run this mod (empty when it can).
     """
 
     def __init__(self, root: Node):
-        self.forward = rewrite(root)
-        self.backward = rewrite(grad_dag(root))
-        self.scalar_names: Dict[Node, str] = {}
+        self.facts = Facts()
         self.tensor_names: Dict[Node, str] = {}
+        self.views: Dict[str, Tuple[str, Tuple[str, ...]]] = {}
+        self.materialized: Dict[str, Materialized] = {}
+        self.length_materialized: List[str] = []
+        self.unsupported: List[str] = []
+        self._mat_leaf: Dict[Node, Node] = {}
+        rewriter = _Rewriter(self)
+        self.forward = _anchored(rewriter.rw(root))
+        self.backward = _anchored(rewriter.rw(grad_dag(root)))
+        self.scalar_names: Dict[Node, str] = {}
         self.length_folds: List[str] = []
         counts = {"c": 0, "f": 0}
         for top in (self.forward, self.backward):
             for n in topo_order(top):
-                if n.op == "tparam" and n not in self.tensor_names:
-                    name, axes = n.attr
-                    self.tensor_names[n] = f"{name}@{''.join(AXIS_LETTER[a] for a in axes)}"
                 if not is_scalar(n) or n in self.scalar_names:
                     continue
                 if n.op in ("param", "length"):
@@ -205,6 +413,35 @@ class Plan:
                 used.add(top)
         self.scalar_names = {n: s for n, s in self.scalar_names.items() if n in used}
         self.length_folds = [s for s in self.length_folds if s in self.scalar_names.values()]
+        self.mask_reads_inputs = any(
+            n.op == "select" and any(x.op in ("tparam", "mat") for x in topo_order(n.args[2]))
+            for n in topo_order(self.forward)
+        )
+
+    def view_leaf(self, n: Node, axes: Tuple[str, ...]) -> Node:
+        leaf = Node("tparam", attr=(n.attr, axes), dtype=n.dtype)
+        if leaf not in self.tensor_names:
+            name = f"{n.attr}@{''.join(AXIS_LETTER[a] for a in axes)}"
+            self.tensor_names[leaf] = name
+            self.views[name] = (n.attr, axes)
+        return leaf
+
+    @property
+    def needs_host_lengths(self) -> bool:
+        return bool(self.length_folds or self.length_materialized)
+
+    def summary(self) -> Dict[str, Any]:
+        """What goes where: {"scalar": [...], "views": {...}, "single": {...}, "dense": {...},
+        "in_graph": sorted ops emitted by the forward, "unsupported": [...]} (text, for tests/docs)."""
+        ops = sorted({n.op for n in topo_order(self.forward) if n.args})
+        return {
+            "scalar": sorted(self.scalar_names.values()),
+            "views": {k: f"{p}[{', '.join(a)}]" for k, (p, a) in self.views.items()},
+            "single": {k: show(m.node) for k, m in self.materialized.items() if m.kind == "single"},
+            "dense": {k: show(m.node) for k, m in self.materialized.items() if m.kind == "dense"},
+            "in_graph": ops,
+            "unsupported": list(self.unsupported),
+        }
 
 
 @functools.lru_cache(maxsize=256)
@@ -213,20 +450,19 @@ def plan_for(root: Node) -> Plan:
 
 
 def eval_scalar(n: Node, params: Dict[str, float], lengths: Optional[Dict[str, int]] = None) -> float:
-    """Host value of a scalar node."""
-    vals: Dict[Node, float] = {}
+    """Host value of a scalar node (Python semantics; float math never raises, see optable)."""
+    vals: Dict[Node, Any] = {}
     for x in topo_order(n):
         a = [vals[y] for y in x.args]
         if x.op == "const":
             v = x.attr
         elif x.op == "param":
-            v = float(params[x.attr])
+            v = params[x.attr]
+            v = int(v) if x.dtype == "i" else float(v)
         elif x.op == "length":
-            v = float(lengths[x.attr])
-        elif x.op in expr._PY:
-            v = expr._PY[x.op](*a)
+            v = int(lengths[x.attr])
         else:
-            v = expr._UNARY_PY[x.op](*a)
+            v = optable.fold(x.op, *a)
         vals[x] = v
     return vals[n]
 
@@ -273,6 +509,11 @@ class Emitter:
                     "that is only possible for dense problems without padding. cuDNN engines compute it wrongly "
                     "per sequence, so packed (thd) or padded batches with this score_mod need backend='reference'"
                 ) from None
+            if name in self.plan.materialized:
+                raise KeyError(
+                    f"score_mod {self.mod_name!r}: materialized operand {name!r} was not supplied; the backend must "
+                    "bind cudnn_operands(dims=(B, H, Sq, Skv), device=...)"
+                ) from None
             raise KeyError(f"score_mod {self.mod_name!r}: graph operand {name!r} was not supplied") from None
 
     def emit(self, n: Node) -> Any:
@@ -285,27 +526,42 @@ class Emitter:
             base = memo.get("score", memo.get("grad"))
             t = self.op("gen_index", base, axis=expr.INDEX_AXES.index(n.attr))
         elif n.op == "zero":
-            i = self.emit(Node("index", attr="kv_idx"))
+            i = self.emit(Node("index", attr="kv_idx", dtype="i"))
             t = self.op("sub", i, i)
+        elif n.op == "unsupported":
+            raise NotImplementedError(unsupported_message(self.plan, self.mod_name))
         elif is_scalar(n):
             t = self.operand(self.plan.scalar_names[n])
         elif n.op == "tparam":
             t = self.operand(self.plan.tensor_names[n])
+        elif n.op == "mat":
+            t = self.operand(n.attr)
         else:
             ins = [self.emit(a) for a in n.args]
-            if not any(is_derived(a) for a in n.args):
+            if not is_derived(n.args[0]):  # never a graph input or pbv scalar first
                 ins[0] = self.op("add", self.emit(ZERO), ins[0])
             out_type = self.BOOL if n.dtype == "b" else self.FLOAT
-            t = self.op(_GRAPH_OP.get(n.op, n.op), *ins, out_type=out_type)
+            t = self.op(graph_op(n.op), *ins, out_type=out_type)
         memo[n] = t
         return t
 
 
+def unsupported_message(plan: Plan, name: str) -> str:
+    return (
+        f"score_mod {name!r} cannot run on cuDNN: {'; '.join(plan.unsupported)}. Use backend='reference' (or "
+        "flex_attention via mod.to_flex()); score-free parts are materialized, but these depend on the score"
+    )
+
+
 def lower_forward(plan: Plan, graph: Any, score: Any, operands: Dict[str, Any], memo: Dict[Any, Any], name: str) -> Any:
+    if plan.unsupported:
+        raise NotImplementedError(unsupported_message(plan, name))
     memo["score"] = score
     return Emitter(graph, plan, operands, memo, name).emit(plan.forward)
 
 
 def lower_backward(plan: Plan, graph: Any, dscore: Any, operands: Dict[str, Any], memo: Dict[Any, Any], name: str) -> Any:
+    if plan.unsupported:
+        raise NotImplementedError(unsupported_message(plan, name))
     memo["grad"] = dscore
     return Emitter(graph, plan, operands, memo, name).emit(plan.backward)

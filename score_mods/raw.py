@@ -7,34 +7,23 @@
                        reference=lambda s, b, h, q, k: s * 0.5)
 
 CPU scalar tensors in `tensors` / `bprop_tensors` become pass-by-value (1, 1, 1, 1) operands;
-device tensors must be 4-D (B|1, H|1, Sq|1, Skv|1). The cache key of a plain module-level
-function is its module + qualname; anything else (lambda, closure, nested function, bound
-method, callable object) must give `cache_key=`.
+device tensors must be 4-D (B|1, H|1, Sq|1, Skv|1). Cache keys (keys.py): a function is keyed
+by its name and a digest of its code (so a redefinition with other code gets another key); a
+bound method of a class with `score_mod_graph_cache_key()` (Transformer Engine's protocol) by
+that method's result; any other bound method by a token for its live object (listeners added
+with `add_release_listener(fn)` hear the token when the object is collected); a callback whose
+code cannot be keyed (a closure over a tensor) must give `cache_key=`.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
-from typing import Any, Callable, Dict, Hashable, Optional
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
 from .base import ScoreMod
-
-
-def _function_key(fn: Callable, what: str) -> Hashable:
-    how = f"pass cache_key=<a hashable value that changes whenever the {what}'s math changes>"
-    if inspect.ismethod(fn):
-        raise TypeError(f"{what} {fn!r} is a bound method, which has no stable cache key; {how}")
-    if not inspect.isfunction(fn):
-        raise TypeError(f"{what} {fn!r} is not a plain function, so it has no stable cache key; {how}")
-    if fn.__name__ == "<lambda>" or "<locals>" in fn.__qualname__ or fn.__closure__:
-        raise TypeError(f"{what} {fn.__qualname__!r} is a lambda, closure or nested function; {how}")
-    module = sys.modules.get(fn.__module__)
-    if getattr(module, fn.__qualname__, None) is not fn:
-        raise TypeError(f"{what} {fn.__qualname__!r} is not reachable as {fn.__module__}.{fn.__qualname__}; {how}")
-    return (fn.__module__, fn.__qualname__)
+from .keys import add_release_listener, callback_key, check_user_key, remove_release_listener  # noqa: F401
 
 
 def _operand(name: str, t: Any) -> torch.Tensor:
@@ -68,14 +57,23 @@ class RawCallbackMod(ScoreMod):
             raise TypeError(f"raw_callback: bprop must be callable or None, got {type(bprop).__name__}")
         if reference is not None and not callable(reference):
             raise TypeError(f"raw_callback: reference must be callable or None, got {type(reference).__name__}")
+        if bprop is None and bprop_tensors:
+            raise ValueError(
+                "score_mod_bprop_tensors (bprop_tensors=) given without score_mod_bprop (bprop=): the tensors are "
+                "only bound to the backward callback; pass bprop= too, or drop them"
+            )
+        tokens: Tuple[int, ...] = ()
         if cache_key is None:
-            user_key = (_function_key(fn, "score_mod callback"), None if bprop is None else _function_key(bprop, "score_mod_bprop callback"))
+            fkey, tokens = callback_key(fn, "score_mod callback")
+            bkey = None
+            if bprop is not None:
+                bkey, btokens = callback_key(bprop, "score_mod_bprop callback")
+                tokens += tuple(t for t in btokens if t not in tokens)
+            user_key = (fkey, bkey)
         else:
-            try:
-                hash(cache_key)
-            except TypeError:
-                raise TypeError(f"raw_callback: cache_key must be hashable, got {type(cache_key).__name__}") from None
-            user_key = cache_key
+            user_key = check_user_key(cache_key, "raw_callback")
+        #: tokens of the live objects this key depends on (see keys.add_release_listener)
+        self.object_tokens = tokens
         self.fn, self.bprop, self.reference = fn, bprop, reference
         self.fwd_tensors = _tensor_dict("tensors", tensors)
         self.bwd_tensors = _tensor_dict("bprop_tensors", bprop_tensors)
@@ -103,7 +101,7 @@ class RawCallbackMod(ScoreMod):
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {**{f"fwd_{k}": v for k, v in self.fwd_tensors.items()}, **{f"bwd_{k}": v for k, v in self.bwd_tensors.items()}}
 
-    def cudnn_operands(self) -> Dict[str, torch.Tensor]:
+    def cudnn_operands(self, dims=None, *, device=None) -> Dict[str, torch.Tensor]:
         return self.tensors()
 
     def eager(self, score, b, h, q_idx, kv_idx, q_len, kv_len) -> torch.Tensor:
@@ -212,8 +210,13 @@ class ChainMod(ScoreMod):
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {k: v for i, p in enumerate(self.parts) for k, v in self._ns(i, p.tensors()).items()}
 
-    def cudnn_operands(self) -> Dict[str, torch.Tensor]:
-        return {k: v for i, p in enumerate(self.parts) for k, v in self._ns(i, p.cudnn_operands()).items()}
+    @property
+    def needs_dims(self) -> bool:
+        return any(getattr(p, "needs_dims", False) for p in self.parts)
+
+    def cudnn_operands(self, dims=None, *, device=None) -> Dict[str, torch.Tensor]:
+        return {k: v for i, p in enumerate(self.parts)
+                for k, v in self._ns(i, p.cudnn_operands(dims, device=device)).items()}
 
     def length_operands(self, q_len: int, kv_len: int) -> Dict[str, torch.Tensor]:
         out = {}

@@ -1,22 +1,28 @@
-"""`@score_mod`: trace a flex-style Python function into a `TracedMod` (a ScoreMod).
+"""`@score_mod` / `@mask_mod`: trace a flex-style Python function into a `TracedMod` (a ScoreMod).
 
     @score_mod
     def softcap(score, b, h, q_idx, kv_idx, cap=30.0):
         return cap * tanh(score / cap)
 
+    @mask_mod
+    def block_diagonal(b, h, q_idx, kv_idx, block=64):
+        return q_idx // block == kv_idx // block      # == where(cond, score, -inf)
+
     softcap                 # a ScoreMod with cap = 30.0
     softcap(cap=50.0)       # the same graph (same cache_key), cap bound to 50.0
     softcap.bind(cap=50.0)  # same as above
 
-Parameters after the five index arguments must have defaults: a float (pass-by-value runtime
-scalar), or a tensor parameter declared with `TensorParam("float"|"int")` (or a torch.Tensor
-default). The function is traced once, at decoration, with symbolic arguments.
+Parameters after the index arguments must have defaults: a float (a runtime scalar), an int (a
+runtime integer scalar: usable with // % and bit operations), or a tensor parameter declared
+with `TensorParam("float"|"int"|"bool")` (or a torch.Tensor default). The function is traced
+once, at decoration, with symbolic arguments.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Hashable, Optional, Union
+import math
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
 
 import torch
 
@@ -25,13 +31,21 @@ from . import expr, lower_cudnn
 from .base import ScoreMod
 from .expr import Node, Sym, TensorParam, TensorSym
 
+_NEG_INF = -math.inf
+
+
 class ParamSpec:
-    """One declared parameter: kind "float" (runtime scalar) or "tensor" (graph input, tkind float|int)."""
+    """One declared parameter: kind "float" / "int" (runtime scalars) or "tensor" (tkind
+    float|int|bool). `check(name, value)` optionally validates scalar values (raises ValueError)."""
 
-    __slots__ = ("name", "kind", "tkind", "default_value")
+    __slots__ = ("name", "kind", "tkind", "default_value", "check")
 
-    def __init__(self, name: str, kind: str, tkind: Optional[str], default_value: Any):
-        self.name, self.kind, self.tkind, self.default_value = name, kind, tkind, default_value
+    def __init__(self, name: str, kind: str, tkind: Optional[str], default_value: Any,
+                 check: Optional[Callable[[str, float], None]] = None):
+        self.name, self.kind, self.tkind, self.default_value, self.check = name, kind, tkind, default_value, check
+
+    def renamed(self, name: str) -> "ParamSpec":
+        return ParamSpec(name, self.kind, self.tkind, self.default_value, self.check)
 
     @classmethod
     def from_default(cls, mod: str, name: str, default: Any) -> "ParamSpec":
@@ -39,66 +53,83 @@ class ParamSpec:
             return cls(name, "tensor", default.kind, None)
         if isinstance(default, torch.Tensor):
             return cls(name, "tensor", _tensor_kind(mod, name, default), default)
-        if isinstance(default, (int, float)) and not isinstance(default, bool):
-            return cls(name, "float", None, float(default))
+        if isinstance(default, int) and not isinstance(default, bool):
+            return cls(name, "int", None, default)
+        if isinstance(default, float):
+            if math.isnan(default):
+                raise ValueError(f"score_mod {mod!r}: parameter {name!r} has the default NaN; give a number")
+            return cls(name, "float", None, default)
         if default is inspect.Parameter.empty:
             raise TypeError(
-                f"score_mod {mod!r}: parameter {name!r} has no default; give a float default (runtime scalar) "
+                f"score_mod {mod!r}: parameter {name!r} has no default; give a float or int default (runtime scalar) "
                 f"or {name}=score_mods.TensorParam() for a tensor parameter"
             )
         raise TypeError(
             f"score_mod {mod!r}: parameter {name!r} has default {default!r} ({type(default).__name__}); "
-            "parameters must be floats or tensor parameters (score_mods.TensorParam() or a torch.Tensor)"
+            "parameters must be floats, ints or tensor parameters (score_mods.TensorParam() or a torch.Tensor)"
         )
 
 
 def _tensor_kind(mod: str, name: str, t: torch.Tensor) -> str:
+    if t.dtype == torch.bool:
+        return "bool"
     if t.is_floating_point():
         return "float"
-    if t.dtype in (torch.int32, torch.int64):
+    if t.dtype in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
         return "int"
     raise TypeError(
-        f"score_mod {mod!r}: tensor parameter {name!r} has dtype {t.dtype}; use a floating dtype (bias, slopes) "
-        "or int32/int64 (ids)"
+        f"score_mod {mod!r}: tensor parameter {name!r} has dtype {t.dtype}; use a floating dtype (bias, slopes, "
+        "tables), an integer dtype (ids, distances) or torch.bool (flags)"
     )
 
 
-_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
+_KIND_WORDS = {"float": "floating", "int": "integer", "bool": "torch.bool"}
 
 
-def _param_specs(fn: Callable) -> Dict[str, ParamSpec]:
+def _param_specs(fn: Callable, nargs: int, what: str) -> Dict[str, ParamSpec]:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"score_mod needs a Python function, got {fn!r}") from exc
+        raise TypeError(f"{what} needs a Python function, got {fn!r}") from exc
     params = list(sig.parameters.values())
-    name = getattr(fn, "__name__", "score_mod")
+    name = getattr(fn, "__name__", what)
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise TypeError(f"score_mod {name!r}: *args / **kwargs are not supported; name every parameter")
-    if len(params) < 5 or any(p.default is not p.empty for p in params[:5]):
+            raise TypeError(f"{what} {name!r}: *args / **kwargs are not supported; name every parameter")
+    if len(params) < nargs or any(p.default is not p.empty for p in params[:nargs]):
+        first = "(score, b, h, q_idx, kv_idx, **params)" if nargs == 5 else "(b, h, q_idx, kv_idx, **params)"
         raise TypeError(
-            f"score_mod {name!r} must take (score, b, h, q_idx, kv_idx, **params) with no defaults on the "
-            f"first five; got {sig}"
+            f"{what} {name!r} must take {first} with no defaults on the first {nargs}; got {sig}"
         )
-    specs: Dict[str, ParamSpec] = {}
-    for p in params[5:]:
-        specs[p.name] = ParamSpec.from_default(name, p.name, p.default)
-    return specs
+    return {p.name: ParamSpec.from_default(name, p.name, p.default) for p in params[nargs:]}
+
+
+def _symbols(specs: Dict[str, ParamSpec]) -> Dict[str, Any]:
+    out = {}
+    for p, s in specs.items():
+        if s.kind == "tensor":
+            out[p] = TensorSym(p, s.tkind)
+        else:
+            out[p] = Sym(Node("param", attr=p, dtype="i" if s.kind == "int" else "f"))
+    return out
+
+
+def _index_syms() -> list:
+    return [Sym(Node("index", attr=a, dtype="i")) for a in expr.INDEX_AXES]
+
+
+def _run(fn: Callable, name: str, what: str, args: list, specs: Dict[str, ParamSpec]) -> Any:
+    with expr._TraceScope():
+        try:
+            return fn(*args, **_symbols(specs))
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise type(exc)(f"while tracing {what} {name!r}: {exc}") from exc
 
 
 def trace(fn: Callable, specs: Dict[str, ParamSpec]) -> Node:
     """Run fn once on symbols; return the float root node."""
     name = getattr(fn, "__name__", "score_mod")
-    args = [Sym(Node("score"))] + [Sym(Node("index", attr=a)) for a in expr.INDEX_AXES]
-    kwargs = {
-        p: (TensorSym(p) if s.kind != "float" else Sym(Node("param", attr=p))) for p, s in specs.items()
-    }
-    with expr._TraceScope():
-        try:
-            out = fn(*args, **kwargs)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"while tracing score_mod {name!r}: {exc}") from exc
+    out = _run(fn, name, "score_mod", [Sym(Node("score"))] + _index_syms(), specs)
     if isinstance(out, (int, float)) and not isinstance(out, bool):
         raise TypeError(f"score_mod {name!r} returned the constant {out!r}; it must return an expression of score")
     if not isinstance(out, Sym):
@@ -106,28 +137,70 @@ def trace(fn: Callable, specs: Dict[str, ParamSpec]) -> Node:
             f"score_mod {name!r} returned {type(out).__name__}; it must return a symbolic float "
             "(if it used torch or math functions, use the score_mods math namespace: tanh, exp, where, ...)"
         )
-    if out.node.dtype != "f":
+    if out.node.dtype == "b":
         raise TypeError(
-            f"score_mod {name!r} returned a boolean condition; return a score, e.g. where(cond, score, -inf) for a mask"
+            f"score_mod {name!r} returned a boolean condition; return a score, e.g. where(cond, score, -inf) for a "
+            "mask, or decorate it with @score_mods.mask_mod (signature (b, h, q_idx, kv_idx))"
+        )
+    if out.node.dtype == "i":  # an integer result is a float score
+        out = Sym(Node("add", (out.node, expr.const(0.0)), dtype="f"))
+    return out.node
+
+
+def trace_mask(fn: Callable, specs: Dict[str, ParamSpec]) -> Node:
+    """Run a mask_mod once on symbols; return its condition node."""
+    name = getattr(fn, "__name__", "mask_mod")
+    out = _run(fn, name, "mask_mod", _index_syms(), specs)
+    if not isinstance(out, Sym) or out.node.dtype != "b":
+        got = repr(out) if isinstance(out, bool) else (expr.what(out.node) if isinstance(out, Sym) else type(out).__name__)
+        raise TypeError(
+            f"mask_mod {name!r} must return a condition on the index arguments (e.g. kv_idx <= q_idx), got {got}"
         )
     return out.node
 
 
-def score_mod(fn: Optional[Callable] = None, *, name: Optional[str] = None) -> Union[TracedMod, Callable[[Callable], TracedMod]]:
+def mask_root(cond: Node) -> Node:
+    """where(cond, score, -inf): the score_mod of a mask."""
+    return Node("where", (cond, Node("score"), expr.const(_NEG_INF)))
+
+
+def score_mod(fn: Optional[Callable] = None, *, name: Optional[str] = None) -> Union["TracedMod", Callable[[Callable], "TracedMod"]]:
     """Decorator: trace `fn(score, b, h, q_idx, kv_idx, **params)` into a TracedMod.
 
     Errors at decoration time (TypeError/ValueError) for unsupported Python: branching on a
-    symbol, math.* / torch.* calls on symbols, parameters without a float or tensor default,
-    badly indexed tensor parameters, a boolean or constant result.
+    symbol, math.* / torch.* calls on symbols, parameters without a float/int/tensor default,
+    gathers at non-integer indices, bit operations on floats, a boolean or constant result.
     """
 
     def wrap(f: Callable) -> TracedMod:
-        specs = _param_specs(f)
+        specs = _param_specs(f, 5, "score_mod")
         root = trace(f, specs)
-        values = {p: s.default_value for p, s in specs.items()}
-        return TracedMod(name or getattr(f, "__name__", "score_mod"), root, specs, values)
+        return TracedMod(name or getattr(f, "__name__", "score_mod"), root, specs, _defaults(specs))
 
     return wrap(fn) if fn is not None else wrap
+
+
+def mask_mod(fn: Optional[Callable] = None, *, name: Optional[str] = None) -> Union["TracedMod", Callable[[Callable], "TracedMod"]]:
+    """Decorator: trace `fn(b, h, q_idx, kv_idx, **params) -> condition` (flex's mask_mod form)
+    into the TracedMod `where(condition, score, -inf)` (True = attend)."""
+
+    def wrap(f: Callable) -> TracedMod:
+        specs = _param_specs(f, 4, "mask_mod")
+        cond = trace_mask(f, specs)
+        return TracedMod(name or getattr(f, "__name__", "mask_mod"), mask_root(cond), specs, _defaults(specs))
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def _defaults(specs: Dict[str, ParamSpec]) -> Dict[str, Any]:
+    return {p: s.default_value for p, s in specs.items()}
+
+
+def _fmt(v: Any) -> str:
+    """30.0 -> '30', 2.5 -> '2.5' (for names carrying values)."""
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return repr(v) if isinstance(v, float) else str(v)
 
 
 # --------------------------------------------------------------------------- the traced ScoreMod
@@ -135,85 +208,136 @@ def score_mod(fn: Optional[Callable] = None, *, name: Optional[str] = None) -> U
 class TracedMod(ScoreMod):
     """A score_mod traced into a DAG; immutable (binding returns a new object).
 
-    cache_key: the DAG's structure (ops, literal constants, param names, tensor index axes)
-    plus each tensor parameter's kind, dtype and rank. The Python function's name is not part
-    of it: two functions with the same math share graphs. Float parameter values never are.
+    cache_key: the DAG's structure (ops, literal constants by their exact bits, param names and
+    kinds, gather arities) plus each tensor parameter's kind, dtype and rank. The Python
+    function's name is not part of it: two functions with the same math share graphs. Scalar
+    parameter values never are.
     """
 
-    def __init__(self, name: str, root: Node, specs: Dict[str, ParamSpec], values: Dict[str, Any]):
-        self.name, self.root, self.specs, self._values = name, root, dict(specs), dict(values)
+    def __init__(self, name: str, root: Node, specs: Dict[str, ParamSpec], values: Dict[str, Any],
+                 name_fn: Optional[Callable[[Dict[str, Any]], str]] = None):
+        self._name, self._name_fn = name, name_fn
+        self.root, self.specs, self._values = root, dict(specs), dict(values)
         self._operands: Optional[Dict[str, torch.Tensor]] = None
+        for p, v in self._values.items():
+            if isinstance(v, torch.Tensor):
+                self._check_rank(p, v)
         # Structural facts the backends ask on every call, computed once here, in eager code
         # (torch.compile cannot trace the DAG walks behind them).
         self.uses_lengths, self.needs_host_lengths  # noqa: B018
 
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """Short name; library mods carry their values ("softcap_30", "sliding_window_128_0")."""
+        return self._name_fn(self._values) if self._name_fn is not None else self._name
+
+    @property
+    def base_name(self) -> str:
+        """The name without values ("softcap"): stable across value changes."""
+        return self._name
+
+    def _copy(self, values: Dict[str, Any], name: Optional[str] = None) -> "TracedMod":
+        return TracedMod(self._name if name is None else name, self.root, self.specs, values,
+                         self._name_fn if name is None else None)
+
     # binding -----------------------------------------------------------------
     def private_copy(self) -> "TracedMod":
         """A copy that owns its state (for holders that later update values in place)."""
-        copy = TracedMod(self.name, self.root, self.specs, self._values)
+        copy = self._copy(self._values)
         if getattr(self, "native_band", None) is not None:
             copy.native_band = self.native_band
         return copy
 
     def take_values(self, other: "TracedMod") -> bool:
-        """Adopt `other`'s float values in place if it has the same structure and the same tensor
-        parameters (return True); the scalar tensor is updated, not replaced. Otherwise False."""
+        """Adopt `other`'s scalar values in place if it has the same structure and the same tensor
+        parameters (return True); the scalar tensor is updated, not replaced. Otherwise False.
+        The native band (a pure library mask served by the backend's own band) follows `other`."""
         if other.cache_key != self.cache_key or any(self.tensors()[n] is not t for n, t in other.tensors().items()):
             return False
         self._values = dict(other._values)
         self._operands = None
+        self.__dict__.pop("_op_memo", None)
         self.scalar_tensor().copy_(other.scalar_tensor())
+        band = getattr(other, "native_band", None)
+        if band is not None:
+            self.native_band = band
+        else:
+            self.__dict__.pop("native_band", None)
         return True
 
+    def _check_rank(self, p: str, t: torch.Tensor) -> None:
+        for n in expr.topo_order(self.root):
+            if n.op == "gather" and n.attr == p and len(n.args) != t.dim():
+                raise ValueError(
+                    f"score_mod {self._name!r}: tensor parameter {p!r} is indexed by {len(n.args)} indices "
+                    f"({expr.show(n)}) so it must have {len(n.args)} dims, got shape {tuple(t.shape)}"
+                )
+
     def bind(self, **params: Any) -> "TracedMod":
-        """A copy with the given parameters bound (floats by value, tensors by reference)."""
+        """A copy with the given parameters bound (scalars by value, tensors by reference)."""
         values = dict(self._values)
         for k, v in params.items():
             spec = self.specs.get(k)
             if spec is None:
                 raise TypeError(f"score_mod {self.name!r} has no parameter {k!r}; parameters: {sorted(self.specs) or 'none'}")
-            if spec.kind == "float":
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise TypeError(f"score_mod {self.name!r}: parameter {k!r} must be a float, got {v!r} ({type(v).__name__})")
-                values[k] = float(v)
+            if spec.kind in ("float", "int"):
+                values[k] = self._scalar_value(spec, k, v)
             else:
                 if not isinstance(v, torch.Tensor):
                     raise TypeError(f"score_mod {self.name!r}: tensor parameter {k!r} must be a torch.Tensor, got {type(v).__name__}")
                 if _tensor_kind(self.name, k, v) != spec.tkind:
                     raise TypeError(
-                        f"score_mod {self.name!r}: tensor parameter {k!r} must have a "
-                        f"{'floating' if spec.tkind == 'float' else 'int32/int64'} dtype, got {v.dtype}"
+                        f"score_mod {self.name!r}: tensor parameter {k!r} must have a {_KIND_WORDS[spec.tkind]} dtype, "
+                        f"got {v.dtype}"
                     )
                 values[k] = v
-        return TracedMod(self.name, self.root, self.specs, values)
+        return self._copy(values)
+
+    def _scalar_value(self, spec: ParamSpec, k: str, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"score_mod {self.name!r}: parameter {k!r} must be a {spec.kind}, got {v!r} ({type(v).__name__})")
+        if math.isnan(v):
+            raise ValueError(f"score_mod {self.name!r}: parameter {k!r} must not be NaN")
+        if spec.kind == "int":
+            if isinstance(v, float) and not v.is_integer():
+                raise TypeError(f"score_mod {self.name!r}: parameter {k!r} is an int parameter, got {v!r}")
+            v = int(v)
+        else:
+            v = float(v)
+        if spec.check is not None:
+            spec.check(k, v)
+        return v
 
     def __call__(self, *args: Any, **params: Any) -> "TracedMod":
         if args:
             raise TypeError(
-                f"score_mod {self.name!r} binds parameters by keyword ({self.name}(name=value)); to evaluate it use "
+                f"score_mod {self.name!r} binds parameters by keyword ({self.base_name}(name=value)); to evaluate it use "
                 ".eager(...) or .to_flex()"
             )
         return self.bind(**params)
 
     def rebind(self, scalars: Dict[str, float], tensors: Dict[str, torch.Tensor]) -> "TracedMod":
-        """Bind float and tensor parameters from dicts (torch.compile custom-op path)."""
+        """Bind scalar and tensor parameters from dicts (torch.compile custom-op path)."""
         return self.bind(**scalars, **tensors)
 
     def renamed(self, name: str) -> "TracedMod":
-        return TracedMod(name, self.root, self.specs, self._values)
+        return self._copy(self._values, name=name)
 
     # ScoreMod contract ------------------------------------------------------
     @property
     def cache_key(self) -> Hashable:
-        order = expr.topo_order(self.root)
-        index = {n: i for i, n in enumerate(order)}
-        dag = tuple((n.op, n.attr, n.dtype, tuple(index[a] for a in n.args)) for n in order)
-        tparams = []
-        for p, s in self.specs.items():
-            if s.kind == "tensor":
-                t = self._values.get(p)
-                tparams.append((p, s.tkind, None if t is None else (str(t.dtype), t.dim())))
-        return ("traced", dag, tuple(tparams))
+        got = self.__dict__.get("_cache_key")
+        if got is None:
+            order = expr.topo_order(self.root)
+            index = {n: i for i, n in enumerate(order)}
+            dag = tuple((n.op, expr.exact(n.attr), n.dtype, tuple(index[a] for a in n.args)) for n in order)
+            tparams = []
+            for p, s in self.specs.items():
+                if s.kind == "tensor":
+                    t = self._values.get(p)
+                    tparams.append((p, s.tkind, None if t is None else (str(t.dtype), t.dim())))
+            got = self._cache_key = ("traced", dag, tuple(tparams))
+        return got
 
     @property
     def uses_lengths(self) -> bool:
@@ -223,26 +347,53 @@ class TracedMod(ScoreMod):
         return got
 
     @property
+    def plan(self) -> "lower_cudnn.Plan":
+        """The structural lowering plan (see lower_cudnn): what is in-graph, materialized, folded."""
+        return lower_cudnn.plan_for(self.root)
+
+    @property
     def has_backward(self) -> bool:
-        """False for mods reading integer tensor parameters (document ids): measured on the
-        H100, cuDNN's backward graph recomputes such masks wrongly (gradients off by ~100%)
-        while the forward is right, so their gradients come from the reference backend (or use
-        doc_packed_attn / thd, where documents are sequences)."""
-        return not any(s.kind == "tensor" and s.tkind == "int" for s in self.specs.values())
+        """False when a mask condition reads a tensor parameter or a materialized operand
+        (document ids, 2-D neighbourhoods, ...): measured on H100/H200, cuDNN's backward
+        recomputes such irregular masks wrongly (document masks ~100% off, 2-D neighbourhood
+        masks dQ off by up to 4.0) while the forward is right, so their gradients come from the
+        reference backend. `lower_cudnn.IRREGULAR_MASK_BACKWARD = True` lifts this once a GPU
+        probe shows the engines right."""
+        got = self.__dict__.get("_has_backward")
+        if got is None:
+            got = self._has_backward = lower_cudnn.IRREGULAR_MASK_BACKWARD or not self.plan.mask_reads_inputs
+        return got
 
     @property
     def needs_host_lengths(self) -> bool:
         """True when the cuDNN lowering folds q_len/kv_len on the host (dense problems only)."""
         got = self.__dict__.get("_needs_host_lengths")
         if got is None:
-            got = self._needs_host_lengths = bool(lower_cudnn.plan_for(self.root).length_folds)
+            got = self._needs_host_lengths = self.plan.needs_host_lengths
         return got
 
+    @property
+    def needs_dims(self) -> bool:
+        """True when `cudnn_operands` needs the graph dims (it materializes subexpressions)."""
+        return bool(self.plan.materialized)
+
+    @property
+    def cudnn_unsupported(self) -> Optional[str]:
+        """Why the cuDNN lowering cannot run this mod (a score-dependent op the engines lack),
+        or None. The reference backend and to_flex() run every mod."""
+        plan = self.plan
+        return lower_cudnn.unsupported_message(plan, self.name) if plan.unsupported else None
+
     def scalars(self) -> Dict[str, float]:
-        return {p: self._values[p] for p, s in self.specs.items() if s.kind == "float"}
+        """Scalar (float and int) parameters by name, as floats (ints are exact in float64)."""
+        return {p: float(self._values[p]) for p, s in self.specs.items() if s.kind in ("float", "int")}
+
+    def scalars_typed(self) -> Dict[str, Any]:
+        """Scalar parameters with their kinds: ints as int, floats as float."""
+        return {p: self._values[p] for p, s in self.specs.items() if s.kind in ("float", "int")}
 
     def scalar_tensor(self) -> torch.Tensor:
-        """The float parameters as one CPU float64 tensor (in `scalars()` order), made once per
+        """The scalar parameters as one CPU float64 tensor (in `scalars()` order), made once per
         bound mod: torch.compile sees a tensor input, so a new value does not recompile."""
         t = self.__dict__.get("_scalar_tensor")
         if t is None:
@@ -255,7 +406,7 @@ class TracedMod(ScoreMod):
             if s.kind == "tensor":
                 t = self._values.get(p)
                 if t is None:
-                    raise ValueError(f"score_mod {self.name!r}: tensor parameter {p!r} is not bound; call {self.name}({p}=tensor)")
+                    raise ValueError(f"score_mod {self.name!r}: tensor parameter {p!r} is not bound; call {self.base_name}({p}=tensor)")
                 out[p] = t
         return out
 
@@ -265,16 +416,20 @@ class TracedMod(ScoreMod):
             return
         sizes = {"b": batch, "h": heads, "q_idx": seqlen_q, "kv_idx": seqlen_kv}
         device = torch.device(device)
-        for n in expr.leaves(self.root, "tparam"):
-            p, axes = n.attr
-            t = tensors[p]
+        for p, t in tensors.items():
             if t.device.type != device.type or (device.index is not None and t.device.index not in (None, device.index)):
                 raise ValueError(f"score_mod {self.name!r}: tensor parameter {p!r} is on {t.device}, the inputs on {device}")
-            if t.dim() != len(axes):
+        for n in expr.leaves(self.root, "gather"):
+            p = n.attr
+            t = tensors[p]
+            if t.dim() != len(n.args):
                 raise ValueError(
-                    f"score_mod {self.name!r}: tensor parameter {p!r} is indexed by {axes} so it must have {len(axes)} "
-                    f"dims, got shape {tuple(t.shape)}"
+                    f"score_mod {self.name!r}: tensor parameter {p!r} is indexed by {len(n.args)} indices "
+                    f"({expr.show(n)}) so it must have {len(n.args)} dims, got shape {tuple(t.shape)}"
                 )
+            axes = expr.direct_axes(n)
+            if axes is None:  # computed indices: torch checks the range when it gathers
+                continue
             want = tuple(sizes[a] for a in axes)
             ok = all(d == w or (d == 1 and a in ("b", "h")) for d, w, a in zip(t.shape, want, axes))
             if not ok:
@@ -283,11 +438,14 @@ class TracedMod(ScoreMod):
                     f"score_mod {self.name!r}: tensor parameter {p!r} has shape {tuple(t.shape)}, expected ({legend})"
                 )
 
+    def _params(self) -> Dict[str, Any]:
+        params = dict(self.scalars_typed())
+        params.update(self.tensors())
+        return params
+
     def eager(self, score, b, h, q_idx, kv_idx, q_len, kv_len) -> torch.Tensor:
         env = eager_mod.index_env(score, b, h, q_idx, kv_idx, q_len, kv_len)
-        params = dict(self.scalars())
-        params.update(self.tensors())
-        return eager_mod.evaluate(self.root, env, params)
+        return eager_mod.evaluate(self.root, env, self._params())
 
     def to_flex(self, q_len: Optional[int] = None, kv_len: Optional[int] = None) -> Callable:
         """A flex_attention score_mod `(score, b, h, q_idx, kv_idx) -> score`.
@@ -304,25 +462,89 @@ class TracedMod(ScoreMod):
         flex_mod.__name__ = f"{self.name}_flex"
         return flex_mod
 
-    def cudnn_operands(self) -> Dict[str, torch.Tensor]:
+    def mask_condition(self) -> Optional[Node]:
+        """The condition of a pure mask (the mod is where(cond, score, -inf) chains over the bare
+        score; nested masks are and-ed), else None."""
+        from .parts import pure_mask_condition
+
+        return pure_mask_condition(self.root)
+
+    def to_flex_mask(self, q_len: Optional[int] = None, kv_len: Optional[int] = None) -> Callable:
+        """For a pure mask: a flex_attention mask_mod `(b, h, q_idx, kv_idx) -> bool` (for
+        create_block_mask). ValueError for mods that change scores."""
+        cond = self.mask_condition()
+        if cond is None:
+            raise ValueError(f"score_mod {self.name!r} is not a pure mask (it changes scores); use to_flex()")
+        if self.uses_lengths and (q_len is None or kv_len is None):
+            raise ValueError(f"score_mod {self.name!r} reads q_len/kv_len; call to_flex_mask(q_len=Sq, kv_len=Skv)")
+
+        def flex_mask(b, h, q_idx, kv_idx):
+            env = {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, "q_len": q_len, "kv_len": kv_len}
+            out = eager_mod.evaluate(cond, env, self._params())
+            return out if isinstance(out, torch.Tensor) else torch.tensor(bool(out))
+
+        flex_mask.__name__ = f"{self.name}_flex_mask"
+        return flex_mask
+
+    # cuDNN ------------------------------------------------------------------
+    def cudnn_operands(self, dims: Optional[Tuple[int, int, int, int]] = None, *, device: Any = None) -> Dict[str, torch.Tensor]:
+        """See ScoreMod.cudnn_operands: scalars, tensor views and, given dims, materialized operands."""
+        plan = self.plan
+        if plan.unsupported:
+            raise NotImplementedError(lower_cudnn.unsupported_message(plan, self.name))
         if self._operands is None:
-            plan = lower_cudnn.plan_for(self.root)
-            ops = lower_cudnn.scalar_operands(plan, self.scalars())
+            ops = lower_cudnn.scalar_operands(plan, self.scalars_typed())
             tensors = self.tensors()
-            for n, name in plan.tensor_names.items():
-                ops[name] = _view4d(tensors[n.attr[0]], n.attr[1])
+            for name, (p, axes) in plan.views.items():
+                ops[name] = _view4d(tensors[p], axes)
             self._operands = ops
-        return dict(self._operands)
+        if not plan.materialized:
+            return dict(self._operands)
+        if dims is None:
+            raise ValueError(
+                f"score_mod {self.name!r} materializes index expressions ({', '.join(plan.materialized)}); the backend "
+                "must call cudnn_operands(dims=(B, H, Sq, Skv), device=...) with the graph's dims"
+            )
+        from . import materialization
+
+        out = dict(self._operands)
+        out.update(materialization.operands(plan, self, dims, device))
+        return out
 
     def length_operands(self, q_len: int, kv_len: int) -> Dict[str, torch.Tensor]:
-        plan = lower_cudnn.plan_for(self.root)
-        return lower_cudnn.scalar_operands(plan, self.scalars(), {"q_len": q_len, "kv_len": kv_len})
+        return lower_cudnn.scalar_operands(self.plan, self.scalars_typed(), {"q_len": q_len, "kv_len": kv_len})
 
     def lower_forward(self, graph, score, operands, memo):
-        return lower_cudnn.lower_forward(lower_cudnn.plan_for(self.root), graph, score, operands, memo, self.name)
+        return lower_cudnn.lower_forward(self.plan, graph, score, operands, memo, self.name)
 
     def lower_backward(self, graph, dscore, operands, memo):
-        return lower_cudnn.lower_backward(lower_cudnn.plan_for(self.root), graph, dscore, operands, memo, self.name)
+        return lower_cudnn.lower_backward(self.plan, graph, dscore, operands, memo, self.name)
+
+    # learned biases ---------------------------------------------------------
+    def split_additive_bias(self) -> Tuple[Optional["TracedMod"], Optional["TracedMod"]]:
+        """(score_part, bias_part) with mod(s) == score_part(s) + g; see parts.split_additive_bias."""
+        from .parts import split_additive_bias
+
+        return split_additive_bias(self)
+
+    def trainable(self) -> Dict[str, Any]:
+        """Tensor parameters that may be trained: name -> Trainable(floating, bias_only); see parts.trainable."""
+        from .parts import trainable
+
+        return trainable(self)
+
+    # pictures ---------------------------------------------------------------
+    def describe(self, q_len: int = 8, kv_len: int = 8, *, b: int = 0, h: int = 0) -> str:
+        """A text picture of the mask (x attend, . masked) or of the added values; see show.py."""
+        from .show import describe
+
+        return describe(self, q_len, kv_len, b=b, h=h)
+
+    def visualize(self, q_len: int = 16, kv_len: int = 16, path: Optional[str] = None, *, b: int = 0, h: int = 0) -> torch.Tensor:
+        """Draw the mask / values into a PNG (matplotlib); return the (Sq, Skv) tensor drawn; see show.py."""
+        from .show import visualize
+
+        return visualize(self, q_len, kv_len, path, b=b, h=h)
 
     def __repr__(self) -> str:
         vals = ", ".join(f"{p}={v}" if not isinstance(v, torch.Tensor) else f"{p}=Tensor{tuple(v.shape)}" for p, v in self._values.items())
@@ -330,10 +552,10 @@ class TracedMod(ScoreMod):
 
 
 def _view4d(t: torch.Tensor, axes: tuple) -> torch.Tensor:
-    """(1|.., 1|.., 1|.., 1|..) view of a tensor parameter; int64 ids become int32."""
+    """(1|.., 1|.., 1|.., 1|..) view of a tensor parameter; integer ids become int32."""
     shape = [1, 1, 1, 1]
     for d, a in enumerate(axes):
         shape[expr.INDEX_AXES.index(a)] = t.shape[d]
-    if t.dtype == torch.int64:
+    if not t.is_floating_point() and t.dtype != torch.int32:
         t = t.to(torch.int32)
     return t.reshape(shape)

@@ -1,0 +1,205 @@
+"""Materialized operands: score-free subexpressions evaluated eagerly, bound as graph inputs.
+
+`operands(plan, mod, dims, device)` evaluates each `lower_cudnn.Materialized` of a plan on the
+(B, H, Sq, Skv) grid with the eager evaluator (exact torch integer semantics), as an fp32
+tensor of its broadcast shape (B|1, H|1, Sq|1, Skv|1) (conditions as 0/1). `materialize(part,
+dims)` does the same for a whole score-free mod part, e.g. the additive bias of
+`TracedMod.split_additive_bias`, which the backend feeds to cuDNN's bias input.
+
+Caching: results are kept in one bounded, thread-safe LRU memo keyed by (subexpression
+structure, dims, device, dtype, the exact values of the scalar parameters it reads, and the
+identity + `_version` of the tensors it reads; each entry holds weak references to those
+tensors and is only reused while they are alive and the same objects), so a repeated call
+rebuilds nothing and an in-place update of a table (optimizer step) is seen. When a tensor it
+reads requires grad (and grad mode is on), the value is computed with autograd and never
+cached, so gradients flow back to the parameter through torch.
+
+Values never enter graph keys: shapes follow only the structure and dims.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from . import eager
+from .expr import INDEX_AXES, Node, leaves, topo_order
+
+#: Bounds of the memo: entries, and bytes of tensors held (dense operands can be large).
+MAX_ENTRIES = 64
+MAX_BYTES = 256 * 2 ** 20
+
+_LOCK = threading.Lock()
+_MEMO: "collections.OrderedDict[Any, Tuple[torch.Tensor, tuple]]" = collections.OrderedDict()
+_BYTES = [0]
+_STATS = {"hits": 0, "misses": 0, "uncached": 0}
+
+
+def cache_info() -> Dict[str, int]:
+    """hits, misses, uncached (autograd) evaluations, entries and bytes of the materialization memo."""
+    with _LOCK:
+        return dict(_STATS, entries=len(_MEMO), bytes=_BYTES[0], max_entries=MAX_ENTRIES, max_bytes=MAX_BYTES)
+
+
+def clear_cache() -> None:
+    """Drop every memoized materialization."""
+    with _LOCK:
+        _MEMO.clear()
+        _BYTES[0] = 0
+
+
+def _exact(v: Any) -> Any:
+    return v.hex() if isinstance(v, float) else v
+
+
+def _key_and_refs(node: Node, dims, device, dtype, params: Dict[str, Any], dense: bool):
+    scal, refs, tensors = [], [], []
+    grad = False
+    for n in topo_order(node):
+        if n.op == "param":
+            scal.append((n.attr, _exact(params[n.attr])))
+        elif n.op == "gather":
+            t = params[n.attr]
+            tensors.append((n.attr, id(t), t._version))
+            refs.append(weakref.ref(t))
+            grad = grad or t.requires_grad
+    key = (node, tuple(int(d) for d in dims), str(device), dtype, dense, tuple(sorted(set(scal))),
+           tuple(sorted(set(tensors))))
+    return key, refs, grad and torch.is_grad_enabled()
+
+
+def _lookup(key, refs) -> Optional[torch.Tensor]:
+    with _LOCK:
+        hit = _MEMO.get(key)
+        if hit is not None:
+            value, held = hit
+            if len(held) == len(refs) and all(h() is not None and h() is r() for h, r in zip(held, refs)):
+                _MEMO.move_to_end(key)
+                _STATS["hits"] += 1
+                return value
+            _drop(key)
+        _STATS["misses"] += 1
+    return None
+
+
+def _drop(key) -> None:
+    value, _ = _MEMO.pop(key)
+    _BYTES[0] -= value.numel() * value.element_size()
+
+
+def _store(key, refs, value: torch.Tensor) -> None:
+    size = value.numel() * value.element_size()
+    if size > MAX_BYTES:
+        return
+    with _LOCK:
+        if key in _MEMO:
+            _drop(key)
+        _MEMO[key] = (value, tuple(refs))
+        _BYTES[0] += size
+        while len(_MEMO) > MAX_ENTRIES or _BYTES[0] > MAX_BYTES:
+            _drop(next(iter(_MEMO)))
+
+
+def _evaluate(node: Node, dims, device, dtype, params: Dict[str, Any], axes: Sequence[str], dense: bool) -> torch.Tensor:
+    env = eager.grid_env(dims, device)
+    value = eager.evaluate(node, env, params, float_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    if not isinstance(value, torch.Tensor):
+        value = torch.tensor(value, device=device)
+    value = value.to(device=device, dtype=dtype)
+    if value.dim() < 4:
+        value = value.reshape((1,) * (4 - value.dim()) + tuple(value.shape))
+    # b / h stay 1 where a size-1 tensor parameter broadcasts them; q / kv follow the axes.
+    shape = tuple(
+        int(d) if (a in axes and not (a in ("b", "h") and value.shape[i] == 1)) or (dense and a in ("q_idx", "kv_idx"))
+        else 1
+        for i, (a, d) in enumerate(zip(INDEX_AXES, dims))
+    )
+    return value.expand(shape).contiguous()
+
+
+def evaluate_cached(node: Node, dims, device, dtype, params: Dict[str, Any], axes: Sequence[str],
+                    dense: bool = False) -> torch.Tensor:
+    """`node` on the grid `dims`, broadcast to its axes (and to Sq, Skv when dense), memoized."""
+    key, refs, grad = _key_and_refs(node, dims, device, dtype, params, dense)
+    if grad:
+        with _LOCK:
+            _STATS["uncached"] += 1
+        return _evaluate(node, dims, device, dtype, params, axes, dense)
+    value = _lookup(key, refs)
+    if value is None:
+        with torch.no_grad():
+            value = _evaluate(node, dims, device, dtype, params, axes, dense)
+        _store(key, refs, value)
+    return value
+
+
+def check_dims(dims: Any, what: str) -> Tuple[int, int, int, int]:
+    if not isinstance(dims, (tuple, list, torch.Size)) or len(dims) != 4:
+        raise TypeError(f"{what}: dims must be (B, H, Sq, Skv), got {dims!r}")
+    out = []
+    for name, d in zip(("B", "H", "Sq", "Skv"), dims):
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"{what}: dims {name} must be a positive int, got {d!r}")
+        out.append(d)
+    return tuple(out)  # type: ignore[return-value]
+
+
+def default_device(tensors: Dict[str, torch.Tensor], device: Any) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for t in tensors.values():
+        return t.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def operands(plan: Any, mod: Any, dims: Any, device: Any = None) -> Dict[str, torch.Tensor]:
+    """The plan's materialized operands for `mod`'s current values, on `device`."""
+    dims = check_dims(dims, f"score_mod {mod.name!r}")
+    params = dict(mod.scalars_typed())
+    tensors = mod.tensors()
+    params.update(tensors)
+    dev = default_device(tensors, device)
+    return {name: evaluate_cached(m.node, dims, dev, torch.float32, params, m.axes) for name, m in plan.materialized.items()}
+
+
+def materialize(part: Any, dims: Any, *, device: Any = None, dtype: torch.dtype = torch.float32,
+                dense: bool = True) -> torch.Tensor:
+    """The value of a score-free TracedMod part as a tensor: g for a part `score + g` (the
+    bias part of `split_additive_bias`), else the part at score = 0 (a mask gives 0 / -inf).
+
+    Shape (B|1, H|1, Sq, Skv) when dense (what cuDNN's bias input takes), else the broadcast
+    shape of the axes the value depends on. Computed with autograd when a tensor parameter
+    requires grad (feed cuDNN's dBias back with `value.backward(dbias)`), memoized otherwise.
+    """
+    from .trace import TracedMod
+
+    if not isinstance(part, TracedMod):
+        raise TypeError(f"materialize() takes a TracedMod part, got {type(part).__name__}")
+    dims = check_dims(dims, f"materialize({part.name!r})")
+    root = part.root
+    node = root.args[1] if root.op == "add" and root.args[0].op == "score" else root
+    if leaves(node, "score"):
+        node = _at_zero_score(node)
+    params = dict(part.scalars_typed())
+    tensors = part.tensors()
+    params.update(tensors)
+    axes = tuple(a for a in INDEX_AXES if any(n.attr == a for n in leaves(node, "index")))
+    return evaluate_cached(node, dims, default_device(tensors, device), dtype, params, axes, dense)
+
+
+def _at_zero_score(node: Node) -> Node:
+    from .expr import const
+
+    done: Dict[Node, Node] = {}
+    for n in topo_order(node):
+        if n.op == "score":
+            done[n] = const(0.0)
+        elif n.args:
+            done[n] = Node(n.op, tuple(done[a] for a in n.args), n.attr, n.dtype)
+        else:
+            done[n] = n
+    return done[node]
