@@ -127,15 +127,34 @@ def _shape(fn: str, name: str, v: Any, rank: int) -> Tuple[int, ...]:
     return tuple(_int(fn, f"{name}[{i}]", x) for i, x in enumerate(v))
 
 
-def _mask(name: str, body: Callable, **values: Any) -> ScoreMod:
-    """Trace `body(b, h, q_idx, kv_idx, **params) -> condition` as a mask named `name`."""
-    mod = sm.mask_mod(body).renamed(name)
+def _non_negative(fn: str) -> Callable[[str, Any], None]:
+    def check(name: str, v: Any) -> None:
+        if v < 0:
+            raise ValueError(f"{fn}: {name} must be >= 0, got {v!r}")
+    return check
+
+
+def _finish(mod: ScoreMod, name: Union[str, Callable[[dict], str]], **values: Any) -> ScoreMod:
+    """Bind `values`; runtime int sizes are checked >= 0 on every bind. `name` is a string, or
+    a function of the bound values (the name then follows `bind`)."""
+    fn = mod.base_name
+    for p, spec in mod.specs.items():
+        if spec.kind == "int":
+            spec.check = _non_negative(fn)
+    if callable(name):
+        mod._name_fn = name
+    else:
+        mod = mod.renamed(name)
     return mod.bind(**values) if values else mod
 
 
-def _mod(name: str, body: Callable, **values: Any) -> ScoreMod:
-    mod = sm.score_mod(body, name=name)
-    return mod.bind(**values) if values else mod
+def _mask(name: Union[str, Callable[[dict], str]], body: Callable, **values: Any) -> ScoreMod:
+    """Trace `body(b, h, q_idx, kv_idx, **params) -> condition` as a mask (see _finish)."""
+    return _finish(sm.mask_mod(body, name=body.__name__), name, **values)
+
+
+def _mod(name: Union[str, Callable[[dict], str]], body: Callable, **values: Any) -> ScoreMod:
+    return _finish(sm.score_mod(body, name=body.__name__), name, **values)
 
 
 # =============================================================================== 1-D masks
@@ -179,7 +198,7 @@ def sliding_window(window: int) -> ScoreMod:
 
 def dilated_sliding_window(window: int, dilation: int) -> ScoreMod:
     """Dilated window (``generate_dilated_sliding_window``): |i - j| <= window and |i - j| is a
-    multiple of `dilation`. `window` is a runtime scalar; `dilation` is structure (it is in a %).
+    multiple of `dilation`. `window` is a runtime int; `dilation` is structure (it is in a %).
 
     Mask of ``dilated_sliding_window(4, 2)`` (Sq = 7, Skv = 7):
 
@@ -194,16 +213,17 @@ def dilated_sliding_window(window: int, dilation: int) -> ScoreMod:
     window = _int("dilated_sliding_window", "window", window, 0)
     dilation = _int("dilated_sliding_window", "dilation", dilation)
 
-    def body(b, h, q_idx, kv_idx, window=0.0):
+    def dilated_sliding_window(b, h, q_idx, kv_idx, window=0):
         dist = (q_idx - kv_idx).abs()
         return (dist <= window) & (dist % dilation == 0)
 
-    return _mask(f"dilated_sliding_window_{window}_d{dilation}", body, window=float(window))
+    return _mask(lambda v: f"dilated_sliding_window_{v['window']}_d{dilation}", dilated_sliding_window, window=window)
 
 
 def global_sliding_window(window: int, is_global: IntSeq) -> ScoreMod:
     """Longformer (``generate_global_sliding_window``): |i - j| <= window, or either token is
-    global. is_global: (S,) bools or 0/1 ints (Sq = Skv = S); `window` is a runtime scalar.
+    global. is_global: (S,) bools or 0/1 ints, a bool tensor parameter (Sq = Skv = S); `window` is
+    a runtime int.
 
     Mask of ``global_sliding_window(1, [0, 0, 0, 1, 0, 0])`` (Sq = 6, Skv = 6):
 
@@ -217,15 +237,16 @@ def global_sliding_window(window: int, is_global: IntSeq) -> ScoreMod:
     window = _int("global_sliding_window", "window", window, 0)
     flags = _ints("global_sliding_window", "is_global", is_global)
 
-    def body(b, h, q_idx, kv_idx, window=0.0, is_global=sm.TensorParam("int")):
-        return ((q_idx - kv_idx).abs() <= window) | (is_global[q_idx] != 0) | (is_global[kv_idx] != 0)
+    def global_sliding_window(b, h, q_idx, kv_idx, window=0, is_global=sm.TensorParam("bool")):
+        return ((q_idx - kv_idx).abs() <= window) | is_global[q_idx] | is_global[kv_idx]
 
-    return _mask(f"global_sliding_window_{window}", body, window=float(window), is_global=(flags != 0).to(torch.int32))
+    return _mask(lambda v: f"global_sliding_window_{v['window']}", global_sliding_window, window=window,
+                 is_global=flags != 0)
 
 
 def prefix_lm(prefix_length: int) -> ScoreMod:
     """Prefix LM (``generate_prefix_lm_mask``): every query sees the first `prefix_length` keys,
-    and keys j <= i (causal). `prefix` is a runtime scalar.
+    and keys j <= i (causal). `prefix` is a runtime int.
 
     Mask of ``prefix_lm(3)`` (Sq = 6, Skv = 6):
 
@@ -238,10 +259,10 @@ def prefix_lm(prefix_length: int) -> ScoreMod:
     """
     n = _int("prefix_lm", "prefix_length", prefix_length, 0)
 
-    def body(b, h, q_idx, kv_idx, prefix=0.0):
+    def prefix_lm(b, h, q_idx, kv_idx, prefix=0):
         return (kv_idx < prefix) | (kv_idx <= q_idx)
 
-    return _mask(f"prefix_lm_{n}", body, prefix=float(n))
+    return _mask(lambda v: f"prefix_lm_{v['prefix']}", prefix_lm, prefix=n)
 
 
 def _doc_tables(fn: str, offsets: IntSeq) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -269,18 +290,18 @@ def document(offsets: IntSeq, inner: Optional[Predicate] = None) -> ScoreMod:
     """
     ids, starts = _doc_tables("document", offsets)
     if inner is None:
-        def body(b, h, q_idx, kv_idx, doc_ids=sm.TensorParam("int")):
+        def document(b, h, q_idx, kv_idx, doc_ids=sm.TensorParam("int")):
             return doc_ids[q_idx] == doc_ids[kv_idx]
 
-        return _mask("document", body, doc_ids=ids)
+        return _mask("document", document, doc_ids=ids)
     if not callable(inner):
         raise TypeError(f"document: inner must be a function (b, h, q_idx, kv_idx) -> condition, got {inner!r}")
 
-    def body(b, h, q_idx, kv_idx, doc_ids=sm.TensorParam("int"), doc_start=sm.TensorParam("int")):
+    def document(b, h, q_idx, kv_idx, doc_ids=sm.TensorParam("int"), doc_start=sm.TensorParam("int")):
         same = doc_ids[q_idx] == doc_ids[kv_idx]
         return same & inner(b, h, q_idx - doc_start[q_idx], kv_idx - doc_start[kv_idx])
 
-    return _mask(f"document_{getattr(inner, '__name__', 'inner')}".replace("<lambda>", "inner"), body,
+    return _mask(f"document_{getattr(inner, '__name__', 'inner')}".replace("<lambda>", "inner"), document,
                  doc_ids=ids, doc_start=starts)
 
 
@@ -299,10 +320,10 @@ def document_causal(offsets: IntSeq) -> ScoreMod:
     """
     _, starts = _doc_tables("document_causal", offsets)
 
-    def body(b, h, q_idx, kv_idx, doc_start=sm.TensorParam("int")):
+    def document_causal(b, h, q_idx, kv_idx, doc_start=sm.TensorParam("int")):
         return (kv_idx >= doc_start[q_idx]) & (kv_idx <= q_idx)
 
-    return _mask("document_causal", body, doc_start=starts)
+    return _mask("document_causal", document_causal, doc_start=starts)
 
 
 def shared_prefix(offsets: IntSeq, prefix_document_id: IntSeq) -> ScoreMod:
@@ -334,13 +355,13 @@ def shared_prefix(offsets: IntSeq, prefix_document_id: IntSeq) -> ScoreMod:
     pstart = torch.where(own, 0, off[pdoc[ids]])
     pend = torch.where(own, 0, off[pdoc[ids] + 1])
 
-    def body(b, h, q_idx, kv_idx, doc_start=sm.TensorParam("int"), prefix_start=sm.TensorParam("int"),
+    def shared_prefix(b, h, q_idx, kv_idx, doc_start=sm.TensorParam("int"), prefix_start=sm.TensorParam("int"),
              prefix_end=sm.TensorParam("int")):
         in_doc = (kv_idx >= doc_start[q_idx]) & (kv_idx <= q_idx)
         in_prefix = (kv_idx >= prefix_start[q_idx]) & (kv_idx < prefix_end[q_idx])
         return in_doc | in_prefix
 
-    return _mask(fn, body, doc_start=off[ids].to(torch.int32), prefix_start=pstart.to(torch.int32),
+    return _mask(fn, shared_prefix, doc_start=off[ids].to(torch.int32), prefix_start=pstart.to(torch.int32),
                  prefix_end=pend.to(torch.int32))
 
 
@@ -389,10 +410,10 @@ def natten(canvas_w: int, canvas_h: int, kernel_w: int, kernel_h: int) -> ScoreM
                       (("canvas_w", canvas_w), ("canvas_h", canvas_h), ("kernel_w", kernel_w), ("kernel_h", kernel_h)))
     _check_kernel(fn, (cw, ch), (kw, kh), "wh")
 
-    def body(b, h, q_idx, kv_idx):
+    def natten(b, h, q_idx, kv_idx):
         return _neighbours(q_idx // cw, q_idx % cw, kv_idx // cw, kv_idx % cw, cw, ch, kw, kh)
 
-    return _mask(f"natten_{cw}x{ch}_k{kw}x{kh}", body)
+    return _mask(f"natten_{cw}x{ch}_k{kw}x{kh}", natten)
 
 
 def tiled_natten(canvas_w: int, canvas_h: int, kernel_w: int, kernel_h: int, tile_w: int, tile_h: int) -> ScoreMod:
@@ -424,10 +445,10 @@ def tiled_natten(canvas_w: int, canvas_h: int, kernel_w: int, kernel_h: int, til
         tile, within = idx // per_tile, idx % per_tile
         return (tile // tiles_per_row) * th + within // tw, (tile % tiles_per_row) * tw + within % tw
 
-    def body(b, h, q_idx, kv_idx):
+    def tiled_natten(b, h, q_idx, kv_idx):
         return _neighbours(*row_col(q_idx), *row_col(kv_idx), cw, ch, kw, kh)
 
-    return _mask(f"tiled_natten_{cw}x{ch}_k{kw}x{kh}_t{tw}x{th}", body)
+    return _mask(f"tiled_natten_{cw}x{ch}_k{kw}x{kh}_t{tw}x{th}", tiled_natten)
 
 
 def morton_natten(canvas_w: int, canvas_h: int, kernel_w: int, kernel_h: int) -> ScoreMod:
@@ -461,10 +482,10 @@ def morton_natten(canvas_w: int, canvas_h: int, kernel_w: int, kernel_h: int) ->
             row = row | (((code >> (2 * k + 1)) & 1) << k)
         return row, col
 
-    def body(b, h, q_idx, kv_idx):
+    def morton_natten(b, h, q_idx, kv_idx):
         return _neighbours(*row_col(q_idx), *row_col(kv_idx), cw, ch, kw, kh)
 
-    return _mask(f"morton_natten_{cw}x{ch}_k{kw}x{kh}", body)
+    return _mask(f"morton_natten_{cw}x{ch}_k{kw}x{kh}", morton_natten)
 
 
 def _sta(fn: str, canvas: Tuple[int, ...], kernel: Tuple[int, ...], tile: Tuple[int, ...], text_len: int) -> ScoreMod:
@@ -486,7 +507,7 @@ def _sta(fn: str, canvas: Tuple[int, ...], kernel: Tuple[int, ...], tile: Tuple[
         out.append(tid)
         return out[::-1]
 
-    def body(b, h, q_idx, kv_idx, text_len=0.0):
+    def sta(b, h, q_idx, kv_idx, text_len=0):
         near = (q_idx < vision) & (kv_idx < vision)
         for qt, kt, k, n in zip(tile_coords(q_idx), tile_coords(kv_idx), ktiles, tiles):
             before, after = k // 2, k // 2 + k % 2 - 1  # k tiles: centred when odd, one more before when even
@@ -498,7 +519,7 @@ def _sta(fn: str, canvas: Tuple[int, ...], kernel: Tuple[int, ...], tile: Tuple[
 
     dims = lambda s: "x".join(map(str, s))  # noqa: E731
     name = f"{fn}_c{dims(canvas)}_k{dims(kernel)}_t{dims(tile)}"
-    return _mask(name, body, text_len=float(text_len))
+    return _mask(lambda v: name + (f"_text{v['text_len']}" if v["text_len"] else ""), sta, text_len=text_len)
 
 
 def sta_2d(canvas_hw: Tuple[int, int], kernel_hw: Tuple[int, int], tile_hw: Tuple[int, int],
@@ -507,7 +528,7 @@ def sta_2d(canvas_hw: Tuple[int, int], kernel_hw: Tuple[int, int], tile_hw: Tupl
     by tile (tiles row-major), then `text_len` text tokens. A vision query sees the
     kernel_h x kernel_w window of *tiles* around its tile (clamped inside the canvas; an even
     tile count reaches one tile further back than forward) and all text; text sees everything.
-    Canvas and kernel are whole numbers of tiles (structure); `text_len` is a runtime scalar.
+    Canvas and kernel are whole numbers of tiles (structure); `text_len` is a runtime int.
 
     Mask of ``sta_2d((2, 4), (2, 2), (1, 2), text_len=1)`` (Sq = 9, Skv = 9):
 
@@ -556,7 +577,7 @@ def svg_spatial(prompt_length: int, token_per_frame: int, width: int = 2, attn_s
     """Sparse VideoGen spatial head (``generate_spatial_head_mask_mod``): prompt rows and prompt
     columns (plus the first frame when `attn_sink`) are open, and |i - j| < band, with band =
     width * token_per_frame rounded down to a multiple of round_width. prompt, sink_cols and
-    band are runtime scalars (every size here only bounds a comparison).
+    band are runtime ints (every size here only bounds a comparison).
 
     Mask of ``svg_spatial(1, 2, width=1, round_width=1)`` (Sq = 7, Skv = 7):
 
@@ -575,18 +596,18 @@ def svg_spatial(prompt_length: int, token_per_frame: int, width: int = 2, attn_s
     band = (width * per_frame // rounding) * rounding
     sink = prompt + per_frame if attn_sink else prompt
 
-    def body(b, h, q_idx, kv_idx, prompt=0.0, sink_cols=0.0, band=0.0):
+    def svg_spatial(b, h, q_idx, kv_idx, prompt=0, sink_cols=0, band=0):
         return (kv_idx < sink_cols) | (q_idx < prompt) | ((q_idx - kv_idx).abs() < band)
 
-    return _mask(f"svg_spatial_p{prompt}_f{per_frame}_w{width}", body, prompt=float(prompt), sink_cols=float(sink),
-                 band=float(band))
+    return _mask(lambda v: f"svg_spatial_p{v['prompt']}_s{v['sink_cols']}_b{v['band']}", svg_spatial,
+                 prompt=prompt, sink_cols=sink, band=band)
 
 
 def svg_temporal(prompt_length: int, num_frames: int, token_per_frame: int, width: int = 2) -> ScoreMod:
     """Sparse VideoGen temporal head (``generate_temporal_head_mask_mod``): prompt rows and columns
     are open, and video tokens attend tokens at nearby places in any frame: |p(i) - p(j)| < band
     with p(i) = (i - prompt) % token_per_frame and band = width * token_per_frame // num_frames.
-    prompt and token_per_frame are structure (they enter %); band is a runtime scalar.
+    prompt and token_per_frame are structure (they enter %); band is a runtime int.
 
     Mask of ``svg_temporal(1, 2, 3, width=1)`` (Sq = 7, Skv = 7):
 
@@ -603,11 +624,11 @@ def svg_temporal(prompt_length: int, num_frames: int, token_per_frame: int, widt
     frames, per_frame = _int(fn, "num_frames", num_frames), _int(fn, "token_per_frame", token_per_frame)
     band = _int(fn, "width", width, 0) * per_frame // frames
 
-    def body(b, h, q_idx, kv_idx, band=0.0):
+    def svg_temporal(b, h, q_idx, kv_idx, band=0):
         place = ((q_idx - prompt) % per_frame - (kv_idx - prompt) % per_frame).abs()
         return (kv_idx < prompt) | (q_idx < prompt) | (place < band)
 
-    return _mask(f"svg_temporal_p{prompt}_f{per_frame}_n{frames}_w{width}", body, band=float(band))
+    return _mask(lambda v: f"svg_temporal_p{prompt}_t{per_frame}_b{v['band']}", svg_temporal, band=band)
 
 
 def vsa_block_map(topk_indices: torch.Tensor, num_kv_tiles: int) -> torch.Tensor:
@@ -626,8 +647,8 @@ def vsa(block_map: torch.Tensor, tile_numel: int, variable_block_sizes: Optional
     `variable_block_sizes` only the first sizes[t] tokens of each padded key tile t.
 
     block_map: (B|1, H|1, Q_TILES, KV_TILES) 0/1 (from top-k indices: `vsa_block_map`); T =
-    tile_numel is structure; Sq = Q_TILES * T, Skv = KV_TILES * T. The map is an int tensor
-    parameter indexed by (b, h, i // T, j // T); the per-key validity an int table on kv_idx.
+    tile_numel is structure; Sq = Q_TILES * T, Skv = KV_TILES * T. The map is a bool tensor
+    parameter indexed by (b, h, i // T, j // T); the per-key validity a bool table on kv_idx.
 
     Mask of ``vsa(torch.tensor([[[[1, 0], [1, 1]]]]), 2, [2, 1])`` (Sq = 4, Skv = 4):
 
@@ -641,19 +662,19 @@ def vsa(block_map: torch.Tensor, tile_numel: int, variable_block_sizes: Optional
     T = _int(fn, "tile_numel", tile_numel)
     name = f"vsa_t{T}"
     if variable_block_sizes is None:
-        def body(b, h, q_idx, kv_idx, tiles=sm.TensorParam("int")):
-            return tiles[b, h, q_idx // T, kv_idx // T] != 0
+        def vsa(b, h, q_idx, kv_idx, tiles=sm.TensorParam("bool")):
+            return tiles[b, h, q_idx // T, kv_idx // T]
 
-        return _mask(name, body, tiles=(tiles != 0).to(torch.int32))
+        return _mask(name, vsa, tiles=tiles != 0)
     sizes = _ints(fn, "variable_block_sizes", variable_block_sizes)
     if sizes.numel() != tiles.shape[-1]:
         raise ValueError(f"{fn}: variable_block_sizes needs one size per key tile ({tiles.shape[-1]}), got {sizes.numel()}")
     kv_valid = torch.arange(sizes.numel() * T) % T < sizes.repeat_interleave(T)
 
-    def body(b, h, q_idx, kv_idx, tiles=sm.TensorParam("int"), kv_valid=sm.TensorParam("int")):
-        return (tiles[b, h, q_idx // T, kv_idx // T] != 0) & (kv_valid[kv_idx] != 0)
+    def vsa_padded(b, h, q_idx, kv_idx, tiles=sm.TensorParam("bool"), kv_valid=sm.TensorParam("bool")):
+        return tiles[b, h, q_idx // T, kv_idx // T] & kv_valid[kv_idx]
 
-    return _mask(name + "_padded", body, tiles=(tiles != 0).to(torch.int32), kv_valid=kv_valid.to(torch.int32))
+    return _mask(name + "_padded", vsa_padded, tiles=tiles != 0, kv_valid=kv_valid)
 
 
 def block_diffusion(seq_len: int, block_size: int) -> ScoreMod:
@@ -673,7 +694,7 @@ def block_diffusion(seq_len: int, block_size: int) -> ScoreMod:
     """
     n, bs = _int("block_diffusion", "seq_len", seq_len), _int("block_diffusion", "block_size", block_size)
 
-    def body(b, h, q_idx, kv_idx):
+    def block_diffusion(b, h, q_idx, kv_idx):
         q_noised, kv_noised = q_idx < n, kv_idx < n
         q_block, kv_block = (q_idx % n) // bs, (kv_idx % n) // bs
         own_block = (q_block == kv_block) & (q_noised == kv_noised)
@@ -681,7 +702,7 @@ def block_diffusion(seq_len: int, block_size: int) -> ScoreMod:
         clean_causal = (q_block >= kv_block) & ~q_noised & ~kv_noised
         return own_block | earlier_clean | clean_causal
 
-    return _mask(f"block_diffusion_{n}_b{bs}", body)
+    return _mask(f"block_diffusion_{n}_b{bs}", block_diffusion)
 
 
 def tree_ancestors(parents: Sequence[int]) -> torch.Tensor:
@@ -720,12 +741,11 @@ def jetspec_tree(prefix_length: int, ancestors: torch.Tensor) -> ScoreMod:
     if n == 0 or anc.shape[1] != n:
         raise ValueError(f"{fn}: ancestors must be a non-empty square (N, N) matrix, got shape {tuple(anc.shape)}")
 
-    def body(b, h, q_idx, kv_idx, ancestors=sm.TensorParam("int")):
+    def jetspec_tree(b, h, q_idx, kv_idx, ancestors=sm.TensorParam("bool")):
         node = (kv_idx - p).clamp(0, n - 1)
-        in_tree = (kv_idx >= p) & (kv_idx < p + n) & (ancestors[q_idx, node] != 0)
-        return (kv_idx < p) | in_tree
+        return (kv_idx < p) | ((kv_idx >= p) & (kv_idx < p + n) & ancestors[q_idx, node])
 
-    return _mask(f"jetspec_tree_p{p}_n{n}", body, ancestors=(anc != 0).to(torch.int32))
+    return _mask(f"jetspec_tree_p{p}_n{n}", jetspec_tree, ancestors=anc != 0)
 
 
 def jetspec_training(prefix_length: int, block_size: int) -> ScoreMod:
@@ -743,12 +763,12 @@ def jetspec_training(prefix_length: int, block_size: int) -> ScoreMod:
     p = _int("jetspec_training", "prefix_length", prefix_length, 0)
     bs = _int("jetspec_training", "block_size", block_size)
 
-    def body(b, h, q_idx, kv_idx):
+    def jetspec_training(b, h, q_idx, kv_idx):
         r = kv_idx - p
         own = (kv_idx >= p) & (q_idx // bs == r // bs) & (r % bs <= q_idx % bs)
         return (kv_idx < p) | own
 
-    return _mask(f"jetspec_training_p{p}_b{bs}", body)
+    return _mask(f"jetspec_training_p{p}_b{bs}", jetspec_training)
 
 
 def flamingo(intervals: IntSeq, image_token_length: int) -> ScoreMod:
@@ -771,10 +791,10 @@ def flamingo(intervals: IntSeq, image_token_length: int) -> ScoreMod:
     L = _int(fn, "image_token_length", image_token_length)
     start, end = spans[:, 0].repeat_interleave(L), spans[:, 1].repeat_interleave(L)
 
-    def body(b, h, q_idx, kv_idx, image_start=sm.TensorParam("int"), image_end=sm.TensorParam("int")):
+    def flamingo(b, h, q_idx, kv_idx, image_start=sm.TensorParam("int"), image_end=sm.TensorParam("int")):
         return (q_idx >= image_start[kv_idx]) & (q_idx < image_end[kv_idx])
 
-    return _mask(f"flamingo_{spans.shape[0]}x{L}", body, image_start=start.to(torch.int32), image_end=end.to(torch.int32))
+    return _mask(f"flamingo_{spans.shape[0]}x{L}", flamingo, image_start=start.to(torch.int32), image_end=end.to(torch.int32))
 
 
 def batchify(size: int, inner: Optional[Predicate] = None) -> ScoreMod:
@@ -794,11 +814,11 @@ def batchify(size: int, inner: Optional[Predicate] = None) -> ScoreMod:
     if inner is not None and not callable(inner):
         raise TypeError(f"batchify: inner must be a function (b, h, q_idx, kv_idx) -> condition, got {inner!r}")
 
-    def body(b, h, q_idx, kv_idx):
+    def batchify(b, h, q_idx, kv_idx):
         same = q_idx // s == kv_idx // s
         return same if inner is None else same & inner(b, h, q_idx % s, kv_idx % s)
 
-    return _mask(f"batchify_{s}", body)
+    return _mask(f"batchify_{s}", batchify)
 
 
 # =============================================================================== score mods
@@ -812,10 +832,10 @@ def alibi(num_heads: int) -> ScoreMod:
     """
     H = _int("alibi", "num_heads", num_heads)
 
-    def body(score, b, h, q_idx, kv_idx):
+    def alibi(score, b, h, q_idx, kv_idx):
         return score + (kv_idx - q_idx) * sm.pow(2.0, (h + 1) * (-8.0 / H))
 
-    return _mod(f"alibi_h{H}", body)
+    return _mod(f"alibi_h{H}", alibi)
 
 
 def softcap(cap: float) -> ScoreMod:
@@ -868,10 +888,10 @@ def activation(kind: Union[str, Callable] = "gelu", offset: float = 1.0) -> Scor
     if not offset > -low:
         raise ValueError(f"activation: offset must exceed {-low:g} so that {name}(s) + offset > 0, got {offset!r}")
 
-    def body(score, b, h, q_idx, kv_idx, offset=1.0):
+    def activation(score, b, h, q_idx, kv_idx, offset=1.0):
         return sm.log(f(score) + offset)
 
-    return _mod(f"activation_{name}", body, offset=offset)
+    return _mod(f"activation_{name}", activation, offset=offset)
 
 
 def _table(fn: str, name: str, t: Any, rank: int) -> torch.Tensor:
@@ -894,18 +914,21 @@ def graphormer_spatial(distances: torch.Tensor, table: torch.Tensor) -> ScoreMod
     if dist.numel() and (int(dist.min()) < 0 or int(dist.max()) >= table.shape[1]):
         raise ValueError(f"{fn}: distances must lie in [0, {table.shape[1]}) (the table's buckets)")
 
-    def body(score, b, h, q_idx, kv_idx, table=sm.TensorParam(), distances=sm.TensorParam("int")):
+    def graphormer_spatial(score, b, h, q_idx, kv_idx, table=sm.TensorParam(), distances=sm.TensorParam("int")):
         return score + table[h, distances[b, q_idx, kv_idx]]
 
-    return _mod(f"graphormer_spatial_{table.shape[1]}", body, table=table, distances=dist.to(torch.int32))
+    return _mod(f"graphormer_spatial_{table.shape[1]}", graphormer_spatial, table=table, distances=dist.to(torch.int32))
 
 
 def graphormer_edge(path_edge_types: torch.Tensor, path_lengths: torch.Tensor, table: torch.Tensor) -> ScoreMod:
     """Graphormer edge encoding (``generate_graphormer_edge_bias``): score + the mean over the first
     len(i, j) edges of the shortest i-j path of table[h, n, type of edge n] (0 when len = 0).
 
-    path_edge_types: (B|1, N, N, K) ints; path_lengths: (B|1, N, N) ints in [0, K]; table:
-    (H, K, num_edge_types) learnable. The K path positions are unrolled (K is structure).
+    path_edge_types: (B|1, N, N, K) ints in [0, num_edge_types); path_lengths: (B|1, N, N) ints in
+    [0, K]; table: (H, K, num_edge_types) learnable. The mean is written as a weighted sum,
+    sum_n w[b, i, j, n] * table[h, n, type_n] with w = [n < len] / max(len, 1) computed here (a
+    float tensor parameter, not learned), so the mod has no condition and keeps its cuDNN
+    backward. The K path positions are unrolled (K is structure).
     """
     fn = "graphormer_edge"
     types = _ints(fn, "path_edge_types", path_edge_types, 4)
@@ -914,17 +937,22 @@ def graphormer_edge(path_edge_types: torch.Tensor, path_lengths: torch.Tensor, t
     K = types.shape[-1]
     if K < 1 or table.shape[1] != K:
         raise ValueError(f"{fn}: table must have one row per path position (K = {K}), got shape {tuple(table.shape)}")
+    if types.numel() and (int(types.min()) < 0 or int(types.max()) >= table.shape[2]):
+        raise ValueError(f"{fn}: path_edge_types must lie in [0, {table.shape[2]}) (the table's edge types)")
+    if lengths.shape != types.shape[:-1] or (lengths.numel() and (int(lengths.min()) < 0 or int(lengths.max()) > K)):
+        raise ValueError(f"{fn}: path_lengths must have shape {tuple(types.shape[:-1])} and lie in [0, {K}]")
+    positions = torch.arange(K, device=lengths.device)
+    weight = (positions < lengths[..., None]).to(table.dtype) / lengths.clamp(min=1)[..., None].to(table.dtype)
 
-    def body(score, b, h, q_idx, kv_idx, table=sm.TensorParam(), path_types=sm.TensorParam("int"),
-             path_len=sm.TensorParam("int")):
-        n_edges = path_len[b, q_idx, kv_idx]
-        total = 0.0
+    def graphormer_edge(score, b, h, q_idx, kv_idx, table=sm.TensorParam(), path_types=sm.TensorParam("int"),
+                        path_weight=sm.TensorParam()):
+        bias = 0.0
         for n in range(K):
-            total = total + sm.where(n_edges > n, table[h, n, path_types[b, q_idx, kv_idx, n]], 0.0)
-        return score + total / sm.maximum(n_edges, 1)
+            bias = bias + path_weight[b, q_idx, kv_idx, n] * table[h, n, path_types[b, q_idx, kv_idx, n]]
+        return score + bias
 
-    return _mod(f"graphormer_edge_k{K}", body, table=table, path_types=types.to(torch.int32),
-                path_len=lengths.to(torch.int32))
+    return _mod(f"graphormer_edge_k{K}", graphormer_edge, table=table, path_types=types.to(torch.int32),
+                path_weight=weight)
 
 
 def sandwich_table(max_seq_len: int, d_bar: int = 128, dtype: torch.dtype = torch.float32,
@@ -948,10 +976,10 @@ def sandwich(num_heads: int, max_seq_len: int, d_bar: int = 128, dtype: torch.dt
     H = _int("sandwich", "num_heads", num_heads)
     M = _int("sandwich", "max_seq_len", max_seq_len)
 
-    def body(score, b, h, q_idx, kv_idx, rel=sm.TensorParam()):
+    def sandwich(score, b, h, q_idx, kv_idx, rel=sm.TensorParam()):
         return score + rel[q_idx - kv_idx + (M - 1)] * (H / 8.0) / (h + 1)
 
-    return _mod(f"sandwich_h{H}_m{M}", body, rel=sandwich_table(M, d_bar, dtype, device))
+    return _mod(f"sandwich_h{H}_m{M}", sandwich, rel=sandwich_table(M, d_bar, dtype, device))
 
 
 def relative_position_bias(table: torch.Tensor, max_distance: int = 128, bidirectional: bool = True) -> ScoreMod:
@@ -974,7 +1002,7 @@ def relative_position_bias(table: torch.Tensor, max_distance: int = 128, bidirec
                          f"got {table.shape[1]} buckets and max_distance {md}")
     log_scale = (n - exact) / math.log(md / exact)
 
-    def body(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
+    def relative_position_bias(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
         rel = kv_idx - q_idx
         if bidirectional:
             first, dist = sm.where(rel > 0, n, 0), rel.abs()
@@ -984,4 +1012,4 @@ def relative_position_bias(table: torch.Tensor, max_distance: int = 128, bidirec
         bucket = first + sm.where(dist < exact, dist, sm.minimum(far, n - 1))
         return score + table[h, bucket]
 
-    return _mod(f"relative_position_bias_{table.shape[1]}_{md}{'' if bidirectional else '_causal'}", body, table=table)
+    return _mod(f"relative_position_bias_{table.shape[1]}_{md}{'' if bidirectional else '_causal'}", relative_position_bias, table=table)
