@@ -55,8 +55,10 @@ def _tensor(x: Any, ref: Any, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(x, dtype=dtype, device=device)
 
 
-def gather(t: torch.Tensor, n: Node, idx: list) -> torch.Tensor:
-    """t[idx...]; a size-1 dim indexed by a bare b / h index argument broadcasts (index 0)."""
+def gather(t: torch.Tensor, n: Node, idx: list, clamp_b: bool = False) -> torch.Tensor:
+    """t[idx...]; a size-1 dim indexed by a bare b / h index argument broadcasts (index 0).
+    clamp_b (materialization on bucketed dims): a bare b beyond the dim repeats its last row
+    (the extra sequences of a bucketed batch are empty: their values are never read)."""
     if len(idx) != t.dim():
         raise ValueError(
             f"tensor parameter {n.attr!r} is indexed with {len(idx)} indices but has {t.dim()} dims "
@@ -66,6 +68,8 @@ def gather(t: torch.Tensor, n: Node, idx: list) -> torch.Tensor:
     for dim, (arg, i) in enumerate(zip(n.args, idx)):
         if t.shape[dim] == 1 and arg.op == "index" and arg.attr in ("b", "h"):
             i = torch.zeros_like(i) if _is_t(i) else 0
+        elif clamp_b and arg.op == "index" and arg.attr == "b" and _is_t(i):
+            i = i.clamp(max=t.shape[dim] - 1)
         out.append(_as_int(i))
     if not any(_is_t(i) for i in out):
         return t[tuple(out)]
@@ -111,7 +115,7 @@ def _node_value(n: Node, a: list, env: Dict[str, Any], params: Mapping[str, Any]
     if op == "param":
         return params[n.attr]
     if op == "gather":
-        v = gather(params[n.attr], n, a)
+        v = gather(params[n.attr], n, a, clamp_b=env.get("clamp_b", False))
         if n.dtype == "i":
             v = v.to(torch.int64)
         elif n.dtype == "b":
@@ -168,4 +172,5 @@ def grid_env(dims, device=None) -> Dict[str, Any]:
         shape[axis] = int(size)
         env[name] = torch.arange(int(size), device=device).view(shape)
     env["q_len"], env["kv_len"] = int(dims[2]), int(dims[3])
+    env["clamp_b"] = True
     return env

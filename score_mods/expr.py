@@ -21,6 +21,8 @@ Node ops (see optable.py for their semantics):
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 import threading
 from typing import Any, Hashable, Optional, Tuple, Union
@@ -98,6 +100,28 @@ def topo_order(root: Node) -> list:
 
 def leaves(root: Node, op: str) -> list:
     return [n for n in topo_order(root) if n.op == op]
+
+
+Reads = collections.namedtuple("Reads", "params tensors gathers lengths axes")
+
+
+@functools.lru_cache(maxsize=2048)
+def reads(root: Node) -> "Reads":
+    """What a DAG reads (memoized per structure): scalar param names, tensor param names,
+    gathers as (name, number of indices), whether it reads lengths, the index axes it reads."""
+    params, tensors, gathers, axes, lengths = set(), set(), set(), set(), False
+    for n in topo_order(root):
+        if n.op == "param":
+            params.add(n.attr)
+        elif n.op == "gather":
+            tensors.add(n.attr)
+            gathers.add((n.attr, len(n.args)))
+        elif n.op == "length":
+            lengths = True
+        elif n.op == "index":
+            axes.add(n.attr)
+    return Reads(tuple(sorted(params)), tuple(sorted(tensors)), tuple(sorted(gathers)), lengths,
+                 tuple(a for a in INDEX_AXES if a in axes))
 
 
 _PREFIX = {"neg": "-", "bitnot": "~", "not": "~"}
@@ -521,7 +545,16 @@ def clamp(x: Value, min: Optional[Value] = None, max: Optional[Value] = None) ->
 
 
 def where(cond: Sym, x: Value, y: Value) -> Sym:
-    """x where cond holds, else y (cond: a comparison or a logical combination of comparisons)."""
+    """x where cond holds, else y (cond: a comparison or a logical combination of comparisons).
+    On Python values only it is Python's `x if cond else y`."""
+    if isinstance(cond, bool) and not isinstance(x, Sym) and not isinstance(y, Sym):
+        lift(x, "where()"), lift(y, "where()")
+        return x if cond else y
+    if isinstance(cond, bool):
+        raise TypeError(
+            f"where() got the Python bool {cond!r} with symbolic branches; write Python's x if flag else y for a "
+            "condition known before tracing, or compare symbols for one that is not"
+        )
     c = _cond(cond, "where")
     xs, ys = lift(x, "where()"), lift(y, "where()")
     for n in (xs, ys):

@@ -51,9 +51,11 @@ from .expr import Node, const, direct_axes, show, topo_order
 #: pow acceptance (e.g. "floor": None turns every in-graph // and % into materializations).
 IN_GRAPH: Dict[str, Optional[str]] = {
     "floordiv": "floor_div",   # floor(a / b); exact for |a| < 2**24
-    "mod": "floor_mod",        # a - b * floor(a / b): Python's sign (follows b)
+    "mod": "floor_mod",        # a - b * floor(a / b): Python's sign (follows b); not cuDNN's MOD (C fmod)
     "floor": "floor",
     "ceil": "ceil",
+    "div": "div",              # by a host scalar it was probe-accepted (softcap); "mul_reciprocal" is the
+                               # fallback (a * (1 / b): not exact enough for floor_div: then set floordiv None)
     "erf": "erf",
     "pow": "pow",
     "bitand": None, "bitor": None, "bitxor": None, "lshift": None, "rshift": None, "bitnot": None,
@@ -67,14 +69,16 @@ IN_GRAPH: Dict[str, Optional[str]] = {
 IRREGULAR_MASK_BACKWARD = False
 
 #: recipe -> (table entries it needs, builder of the expansion over the op's arguments)
+#: (Recipes build ops that go through this table again: "div" inside floor_div follows IN_GRAPH["div"].)
 RECIPES: Dict[str, Tuple[Tuple[str, ...], Callable[..., Node]]] = {
-    "floor_div": (("floor",), lambda a, b: Node("floor", (Node("div", (a, b)),))),
-    "floor_mod": (("floor",), lambda a, b: Node("sub", (a, Node("mul", (b, Node("floor", (Node("div", (a, b)),))))))),
+    "floor_div": (("floor", "div"), lambda a, b: Node("floor", (Node("div", (a, b)),))),
+    "floor_mod": (("floor", "div"), lambda a, b: Node("sub", (a, Node("mul", (b, Node("floor", (Node("div", (a, b)),))))))),
+    "mul_reciprocal": ((), lambda a, b: Node("mul", (a, Node("reciprocal", (b,))))),
 }
 
 #: Accepted by the engines (probe tables): always emitted in-graph.
 BASE_OPS = frozenset(
-    ("add", "sub", "mul", "div", "neg", "abs", "exp", "log", "tanh", "sqrt", "sigmoid", "minimum", "maximum",
+    ("add", "sub", "mul", "neg", "abs", "exp", "log", "tanh", "sqrt", "sigmoid", "minimum", "maximum",
      "reciprocal", "tanh_bwd", "sigmoid_bwd", "select") + optable.CMP_OPS
 )
 
@@ -116,7 +120,10 @@ _CHEAP = frozenset(("index", "const", "param", "length", "add", "sub", "neg", "m
 
 @functools.lru_cache(maxsize=4096)
 def is_scalar(n: Node) -> bool:
-    """Only constants, scalar params and lengths below: foldable on the host."""
+    """Only constants, scalar params and lengths below: foldable on the host (a gather never is:
+    its tensor lives on the device)."""
+    if n.op == "gather":
+        return False
     return n.op in _SCALAR_LEAVES if not n.args else all(is_scalar(a) for a in n.args)
 
 
@@ -433,7 +440,7 @@ class Plan:
     def summary(self) -> Dict[str, Any]:
         """What goes where: {"scalar": [...], "views": {...}, "single": {...}, "dense": {...},
         "in_graph": sorted ops emitted by the forward, "unsupported": [...]} (text, for tests/docs)."""
-        ops = sorted({n.op for n in topo_order(self.forward) if n.args})
+        ops = sorted({n.op for n in topo_order(self.forward) if n.args and not is_scalar(n)})
         return {
             "scalar": sorted(self.scalar_names.values()),
             "views": {k: f"{p}[{', '.join(a)}]" for k, (p, a) in self.views.items()},

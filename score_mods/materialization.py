@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from . import eager
-from .expr import INDEX_AXES, Node, leaves, topo_order
+from .expr import INDEX_AXES, Node, leaves, reads, topo_order
 
 #: Bounds of the memo: entries, and bytes of tensors held (dense operands can be large).
 MAX_ENTRIES = 64
@@ -46,10 +46,11 @@ def cache_info() -> Dict[str, int]:
 
 
 def clear_cache() -> None:
-    """Drop every memoized materialization."""
+    """Drop every memoized materialization (and reset the counters)."""
     with _LOCK:
         _MEMO.clear()
         _BYTES[0] = 0
+        _STATS.update(hits=0, misses=0, uncached=0)
 
 
 def _exact(v: Any) -> Any:
@@ -57,19 +58,13 @@ def _exact(v: Any) -> Any:
 
 
 def _key_and_refs(node: Node, dims, device, dtype, params: Dict[str, Any], dense: bool):
-    scal, refs, tensors = [], [], []
-    grad = False
-    for n in topo_order(node):
-        if n.op == "param":
-            scal.append((n.attr, _exact(params[n.attr])))
-        elif n.op == "gather":
-            t = params[n.attr]
-            tensors.append((n.attr, id(t), t._version))
-            refs.append(weakref.ref(t))
-            grad = grad or t.requires_grad
-    key = (node, tuple(int(d) for d in dims), str(device), dtype, dense, tuple(sorted(set(scal))),
-           tuple(sorted(set(tensors))))
-    return key, refs, grad and torch.is_grad_enabled()
+    r = reads(node)
+    scal = tuple((p, _exact(params[p])) for p in r.params)
+    ts = [params[p] for p in r.tensors]
+    key = (node, tuple(int(d) for d in dims), str(device), dtype, dense, scal,
+           tuple((p, id(t), t._version) for p, t in zip(r.tensors, ts)))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    return key, [weakref.ref(t) for t in ts], grad
 
 
 def _lookup(key, refs) -> Optional[torch.Tensor]:
@@ -187,7 +182,7 @@ def materialize(part: Any, dims: Any, *, device: Any = None, dtype: torch.dtype 
     params = dict(part.scalars_typed())
     tensors = part.tensors()
     params.update(tensors)
-    axes = tuple(a for a in INDEX_AXES if any(n.attr == a for n in leaves(node, "index")))
+    axes = reads(node).axes
     return evaluate_cached(node, dims, default_device(tensors, device), dtype, params, axes, dense)
 
 

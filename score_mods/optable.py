@@ -92,7 +92,7 @@ FOLD: Dict[str, Callable[..., Any]] = {
     "minimum": _nan_aware(lambda a, b: b if b < a else a),
     "maximum": _nan_aware(lambda a, b: b if b > a else a),
     "pow": _guard(_pow, torch.pow),
-    "neg": operator.neg, "abs": operator.abs,
+    "neg": operator.neg, "abs": operator.abs, "reciprocal": _guard(lambda x: 1.0 / x, torch.reciprocal),
     "exp": _guard(math.exp, torch.exp), "log": _guard(math.log, torch.log), "tanh": math.tanh,
     "sqrt": _guard(math.sqrt, torch.sqrt), "sigmoid": _guard(_sigmoid, torch.sigmoid), "erf": math.erf,
     "floor": _guard(_floor, torch.floor), "ceil": _guard(_ceil, torch.ceil),

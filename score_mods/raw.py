@@ -214,6 +214,11 @@ class ChainMod(ScoreMod):
     def needs_dims(self) -> bool:
         return any(getattr(p, "needs_dims", False) for p in self.parts)
 
+    @property
+    def cudnn_unsupported(self) -> Optional[str]:
+        reasons = [r for r in (getattr(p, "cudnn_unsupported", None) for p in self.parts) if r]
+        return "; ".join(reasons) or None
+
     def cudnn_operands(self, dims=None, *, device=None) -> Dict[str, torch.Tensor]:
         return {k: v for i, p in enumerate(self.parts)
                 for k, v in self._ns(i, p.cudnn_operands(dims, device=device)).items()}

@@ -34,3 +34,32 @@ def test_to_flex_matches_flex_attention(name):
     ours = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", score_mod=mod, backend="reference")
     assert not torch.equal(ours, fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", backend="reference"))
     torch.testing.assert_close(ours, flex, rtol=1e-9, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- the attention-gym zoo
+
+from test_score_mods_zoo import H as ZH, S as ZS, zoo  # noqa: E402
+
+
+def _qkv(b, h, s, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+@pytest.mark.parametrize("name", list(zoo()))
+def test_zoo_to_flex_matches_flex_attention(name):
+    """Reference backend (our eager on full score blocks) == flex_attention running to_flex()
+    under vmap, float64: the integer ops, gathers and bit tricks mean the same in both."""
+    mod, _ = zoo()[name]
+    q, k, v = _qkv(1, ZH, ZS, 16, 11)
+    ours = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", score_mod=mod, backend="reference")
+    flex = flex_mod.flex_attention(q, k, v, score_mod=mod.to_flex(q_len=ZS, kv_len=ZS))
+    torch.testing.assert_close(ours, flex, rtol=1e-9, atol=1e-9)
+    if mod.mask_condition() is not None:  # the same mask as a flex BlockMask
+        block = flex_mod.create_block_mask(mod.to_flex_mask(ZS, ZS), 1, ZH, ZS, ZS, device="cpu", BLOCK_SIZE=4)
+        torch.testing.assert_close(flex_mod.flex_attention(q, k, v, block_mask=block), ours, rtol=1e-9, atol=1e-9)
+
+
+def test_to_flex_mask_refuses_score_mods():
+    with pytest.raises(ValueError, match="not a pure mask"):
+        sm.softcap(2.0).to_flex_mask()

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import score_mods as sm
+from fused_attn import testing
+from score_mods import lower_cudnn
 
 cudnn = pytest.importorskip("cudnn")
 
@@ -43,11 +45,13 @@ class FakeGraph:
 _BIN = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "min": torch.minimum,
     "max": torch.maximum, "cmp_lt": torch.lt, "cmp_le": torch.le, "cmp_gt": torch.gt, "cmp_ge": torch.ge,
-    "cmp_eq": torch.eq, "cmp_neq": torch.ne,
+    "cmp_eq": torch.eq, "cmp_neq": torch.ne, "pow": torch.pow,
+    "mod": torch.fmod,  # cuDNN's MOD is C fmod (sign of the dividend); the lowering uses floor recipes instead
 }
 _UN = {
     "neg": torch.neg, "tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "abs": torch.abs,
-    "sqrt": torch.sqrt, "sigmoid": torch.sigmoid, "reciprocal": torch.reciprocal,
+    "sqrt": torch.sqrt, "sigmoid": torch.sigmoid, "reciprocal": torch.reciprocal, "floor": torch.floor,
+    "ceil": torch.ceil, "erf": torch.erf,
 }
 
 
@@ -122,10 +126,10 @@ def _grid(sq, skv):
             torch.arange(sq).view(1, 1, sq, 1), torch.arange(skv).view(1, 1, 1, skv))
 
 
-def _lower(mod, sq, skv):
+def _lower(mod, sq, skv, b=B, h=H):
     g = FakeGraph()
     score, ds = FakeTensor("leaf", name="score"), FakeTensor("leaf", name="dS")
-    ops = dict(mod.cudnn_operands())
+    ops = dict(mod.cudnn_operands((b, h, sq, skv), device="cpu"))
     ops.update(mod.length_operands(sq, skv))
     ops["q_len"] = torch.full((1, 1, 1, 1), float(sq))
     ops["kv_len"] = torch.full((1, 1, 1, 1), float(skv))
@@ -148,30 +152,38 @@ def _derived(t, memo):
 @pytest.mark.parametrize("key", list(_mods()))
 def test_lowering_matches_eager_and_autograd(key):
     mod, sq, skv = _mods()[key]
-    g, out, dout, ops, _ = _lower(mod, sq, skv)
-    score = torch.randn(B, H, sq, skv) * 2
+    check_lowering(mod, B, H, sq, skv)
+
+
+def check_lowering(mod, B, H, sq, skv, scale=2.0):
+    """The lowered forward (interpreted in fp32, materialized operands included) == eager in
+    float64, and the derived backward == torch.autograd of eager, within 3x the fp32 error."""
+    g, out, dout, ops, _ = _lower(mod, sq, skv, B, H)
+    score = torch.randn(B, H, sq, skv) * scale
     ds = torch.randn(B, H, sq, skv)
     leaves = {"score": score, "dS": ds, **ops}
-    got = interpret(out, leaves)
-    idx = _grid(sq, skv)
+    got = interpret(out, leaves).expand(B, H, sq, skv)
+    idx = (torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
+           torch.arange(sq).view(1, 1, sq, 1), torch.arange(skv).view(1, 1, 1, skv))
     lens = (torch.full((B, 1, 1, 1), sq), torch.full((B, 1, 1, 1), skv))
     ref64 = mod.eager(score.double(), *idx, *lens)
     ref32 = mod.eager(score, *idx, *lens)
+    ref64, ref32 = ref64.expand_as(got), ref32.expand_as(got)
     fin = torch.isfinite(ref64)
     # In attention the gradient reaching a masked (-inf) score is exactly 0 (softmax weight 0):
     # the lowering's backward relies on it, so the incoming gradient here is 0 there too.
     ds = torch.where(fin, ds, torch.zeros_like(ds))
     leaves["dS"] = ds
     assert torch.equal(torch.isfinite(got), fin), "mask differs"
-    tol = 3 * (ref32 - ref64)[fin].abs().max().item() + 1e-5
-    assert (got.double() - ref64)[fin].abs().max().item() <= tol
+    floor = testing.DEFAULT_FLOOR[torch.float32]
+    testing.assert_close(got, ref64, 3 * testing.max_error(ref32, ref64) + floor, what="lowered forward")
     s = score.double().requires_grad_(True)
     (gref,) = torch.autograd.grad(mod.eager(s, *idx, *lens), s, ds.double())
     gs = score.clone().requires_grad_(True)
     (g32,) = torch.autograd.grad(mod.eager(gs, *idx, *lens), gs, ds)
-    gtol = 3 * (g32.double() - gref).abs().max().item() + 1e-5
-    gd = interpret(dout, leaves)
-    torch.testing.assert_close(gd.double().expand_as(gref), gref, rtol=0, atol=gtol)
+    gd = interpret(dout, leaves).expand_as(gref)
+    testing.assert_close(gd, gref, 3 * testing.max_error(g32, gref) + floor, what="derived backward")
+    return g
 
 
 @pytest.mark.parametrize("key", list(_mods()))
@@ -243,3 +255,219 @@ def test_lowering_never_imports_cudnn_at_import_time():
     code = "import sys, score_mods; score_mods.softcap(2.0).cudnn_operands(); print('cudnn' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=".")
     assert res.stdout.strip() == "False", res.stderr
+
+
+# --------------------------------------------------------------------------- new constructs
+
+from test_score_mods_zoo import H as ZH, S as ZS, zoo  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(zoo()))
+def test_zoo_lowering_matches_eager_and_autograd(name):
+    mod, _ = zoo(dtype=torch.float32)[name]
+    check_lowering(mod, 1, ZH, ZS, ZS)
+
+
+@pytest.mark.parametrize("name", list(zoo()))
+def test_zoo_lowering_emits_only_accepted_patterns(name):
+    _check_patterns(zoo(dtype=torch.float32)[name][0], ZS, ZS, 1, ZH)
+
+
+def _check_patterns(mod, sq, skv, b, h):
+    g, _, _, ops, _ = _lower(mod, sq, skv, b, h)
+    memo = {}
+    for t in g.ops:
+        if t.op == "gen_index":
+            assert t.inputs[0].name == "score"
+            continue
+        assert any(_derived(i, memo) for i in t.inputs), f"{t.op} has only graph-input operands"
+        first = t.inputs[0]
+        assert not (first.op == "leaf" and first.name not in ("score", "dS")), f"{t.op} has the graph input {first.name} first"
+
+
+def _summary(mod):
+    return mod.plan.summary()
+
+
+def test_plan_classification():
+    z = zoo(dtype=torch.float32)
+    natten = _summary(z["natten"][0])
+    assert sorted(natten["single"]) == ["mat0@q", "mat1@k", "mat2@q", "mat3@k"] and not natten["dense"]
+    assert "(q_idx % 4)" in natten["single"]["mat0@q"] and natten["single"]["mat1@k"] == "(kv_idx % 4)"
+    assert natten["in_graph"] == ["abs", "le", "select", "sub"]  # |center - kv| <= half, two selects
+    morton = _summary(z["morton_natten"][0])
+    assert len(morton["single"]) == 4 and not morton["dense"] and "&" in morton["single"]["mat0@q"]
+    t5 = _summary(z["t5_bias"][0])
+    assert list(t5["dense"]) == ["mat0@hqk"] and t5["dense"]["mat0@hqk"].startswith("table[h, ")
+    assert t5["in_graph"] == ["add"] and not t5["single"]
+    dilated = _summary(z["dilated_window"][0])
+    assert not dilated["single"] and not dilated["dense"]  # % in-graph: a - b * floor(a / b)
+    assert {"floor", "div", "mul", "sub", "abs"} <= set(dilated["in_graph"])
+    blocks = _summary(z["block_diagonal"][0])
+    assert blocks["single"] == {"mat0@q": "(q_idx // block)", "mat1@k": "(kv_idx // block)"}
+    assert blocks["in_graph"] == ["eq", "select"]
+    sandwich = _summary(z["sandwich"][0])
+    assert sandwich["dense"] == {"mat0@qk": "rel_bias[((q_idx - kv_idx) + 15)]"}  # (1, 1, S, S), not per head
+    assert sandwich["views"] == {"head_scale@h": "head_scale[h]"}
+    alibi = _summary(z["gym_alibi"][0])
+    assert list(alibi["single"]) == ["mat0@h"] and not alibi["dense"]
+    glob = _summary(z["global_window"][0])
+    assert sorted(glob["single"].values()) == ["is_global[kv_idx]", "is_global[q_idx]"]  # bool: 0/1 fp32
+    graph = _summary(z["graphormer"][0])
+    assert list(graph["dense"]) == ["mat0@bhqk"]
+    for name in ("gelu_activation", "power_mod", "quantized"):
+        summary = _summary(z[name][0])
+        assert not summary["single"] and not summary["dense"] and not summary["unsupported"], name
+    assert {"erf", "log"} <= set(_summary(z["gelu_activation"][0])["in_graph"])  # exp appears in the backward
+    assert "pow" in _summary(z["power_mod"][0])["in_graph"]
+    ops = z["block_diagonal"][0].cudnn_operands((2, 3, 8, 8), device="cpu")
+    assert ops["mat0@q"].shape == (1, 1, 8, 1) and ops["mat1@k"].shape == (1, 1, 1, 8)
+    assert ops["mat0@q"].dtype == torch.float32 and ops["mat0@q"].flatten().tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    dense = z["t5_bias"][0].cudnn_operands((1, ZH, ZS, ZS), device="cpu")["mat0@hqk"]
+    assert dense.shape == (1, ZH, ZS, ZS)
+
+
+def test_materialized_condition_is_compared_with_half():
+    mod, _ = zoo(dtype=torch.float32)["global_window"]
+    g, _, _, ops, n_fwd = _lower(mod, ZS, ZS, 1, ZH)
+    cmps = [t for t in g.ops[:n_fwd] if t.op == "cmp_gt"]
+    assert len(cmps) == 2
+    for c in cmps:
+        assert c.inputs[0].op == "add" and c.inputs[0].inputs[1].name.startswith("mat")  # anchored graph input
+        assert ops[c.inputs[1].name].item() == 0.5
+
+
+@pytest.fixture
+def in_graph_table():
+    """Edit lower_cudnn.IN_GRAPH for one test (as after a GPU probe); plans are rebuilt."""
+    saved = dict(lower_cudnn.IN_GRAPH)
+    lower_cudnn.plan_for.cache_clear()
+    yield lower_cudnn.IN_GRAPH
+    lower_cudnn.IN_GRAPH.clear()
+    lower_cudnn.IN_GRAPH.update(saved)
+    lower_cudnn.plan_for.cache_clear()
+
+
+def test_the_in_graph_table_switches_ops_to_materialization(in_graph_table):
+    in_graph_table["floor"] = None  # say the probe found floor declined
+    assert not lower_cudnn.emittable("floordiv") and not lower_cudnn.emittable("mod")
+    z = zoo(dtype=torch.float32)
+    dilated = z["dilated_window"][0].renamed("dilated")
+    summary = _summary(dilated)
+    assert summary["dense"] == {"mat0@qk": "(abs((q_idx - kv_idx)) % dilation)"} and "floor" not in summary["in_graph"]
+    check_lowering(dilated, 1, ZH, ZS, ZS)
+    quantized = z["quantized"][0]
+    assert "op 'mod' is not emitted" in quantized.cudnn_unsupported
+    with pytest.raises(NotImplementedError, match="cannot run on cuDNN: .*backend='reference'"):
+        quantized.cudnn_operands((1, 1, 4, 4))
+    with pytest.raises(NotImplementedError, match="cannot run on cuDNN"):
+        quantized.lower_forward(FakeGraph(), FakeTensor("leaf", name="score"), {}, {})
+
+
+def test_unsupported_and_dims_contract():
+    @sm.score_mod
+    def score_indexed(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
+        return score + table[sm.floor(score).clamp(0, 3)]
+
+    mod = score_indexed(table=torch.randn(4))
+    assert "tensor gather whose index depends on the score" in mod.cudnn_unsupported
+    natten = zoo()["natten"][0]
+    assert natten.needs_dims and not sm.softcap(2.0).needs_dims and sm.softcap(2.0).cudnn_unsupported is None
+    with pytest.raises(ValueError, match="must call cudnn_operands\\(dims=\\(B, H, Sq, Skv\\), device=...\\)"):
+        natten.cudnn_operands()
+    with pytest.raises(TypeError, match="dims must be \\(B, H, Sq, Skv\\)"):
+        natten.cudnn_operands((4, 4))
+    assert set(sm.softcap(2.0).cudnn_operands()) == set(sm.softcap(2.0).cudnn_operands((1, 1, 4, 4)))
+    chained = sm.compose(natten, sm.raw_callback(_raw_identity, bprop=_raw_identity))
+    assert chained.needs_dims and "m0_mat0@q" in chained.cudnn_operands((1, 1, 16, 16), device="cpu")
+
+
+def _raw_identity(graph, score, tensors):
+    return score
+
+
+def test_lengths_in_materializations_need_host_lengths():
+    @sm.mask_mod
+    def from_the_end(b, h, q_idx, kv_idx):
+        return (sm.q_len() - 1 - q_idx) // 4 == (sm.kv_len() - 1 - kv_idx) // 4
+
+    assert from_the_end.needs_host_lengths and from_the_end.plan.length_materialized == ["mat0@q", "mat1@k"]
+    ops = from_the_end.cudnn_operands((1, 1, 6, 9), device="cpu")
+    assert ops["mat0@q"].flatten().tolist() == [1, 1, 0, 0, 0, 0] and ops["mat1@k"].flatten().tolist() == [2, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert not sm.padding_mask().needs_host_lengths  # plain comparisons with lengths stay in-graph
+
+
+def test_has_backward_follows_measured_engine_faults(monkeypatch):
+    z = zoo(dtype=torch.float32)
+    # masks whose condition reads graph inputs (irregular: ids, neighbourhoods) have no cuDNN backward
+    for name in ("natten", "morton_natten", "block_diagonal", "global_window"):
+        assert not z[name][0].has_backward, name
+    for name in ("dilated_window", "prefix_lm", "t5_bias", "sandwich", "gelu_activation", "bias_under_mask"):
+        assert z[name][0].has_backward, name
+    assert not sm.document_mask(torch.arange(4)).has_backward
+    monkeypatch.setattr(lower_cudnn, "IRREGULAR_MASK_BACKWARD", True)
+    assert z["natten"][0].renamed("again").has_backward
+
+
+def test_div_recipe_switch(in_graph_table):
+    in_graph_table["div"] = "mul_reciprocal"  # if the probe declined tensor / tensor division
+    in_graph_table["floordiv"] = None          # a * (1 / b) is not exact enough to floor
+    in_graph_table["mod"] = None
+    mod = sm.softcap(2.0).renamed("softcap_probe")
+    g = check_lowering(mod, 1, 2, 4, 4)
+    assert "div" not in [t.op for t in g.ops]  # score / cap became score * (1 / cap), 1 / cap folded on the host
+    dilated = zoo(dtype=torch.float32)["dilated_window"][0].renamed("dilated_probe")
+    assert list(dilated.plan.summary()["dense"].values()) == ["(abs((q_idx - kv_idx)) % dilation)"]
+    check_lowering(dilated, 1, ZH, ZS, ZS)
+
+
+def test_bucketed_batch_dims_repeat_the_last_row_of_b_indexed_tables():
+    mod, _ = zoo(dtype=torch.float32)["graphormer"]  # spatial[h, dist[b, q_idx, kv_idx]], dist has batch 1
+    dense = mod.cudnn_operands((4, ZH, ZS, ZS), device="cpu")["mat0@bhqk"]
+    assert dense.shape == (4, ZH, ZS, ZS) and torch.equal(dense[3], dense[0])
+
+
+def test_operands_are_memoized_per_object_and_follow_tensor_versions():
+    ids = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
+
+    @sm.mask_mod
+    def halves(b, h, q_idx, kv_idx, ids=sm.TensorParam("int")):
+        return ids[q_idx // 2] == ids[kv_idx // 2]
+
+    mod = halves(ids=ids)
+    a, b = mod.cudnn_operands((1, 1, 8, 8), device="cpu"), mod.cudnn_operands((1, 1, 8, 8), device="cpu")
+    assert all(a[k] is b[k] for k in a)
+    ids[0] = 5  # in place: the version changes, the operands follow
+    c = mod.cudnn_operands((1, 1, 8, 8), device="cpu")
+    assert c["mat0@q"][0, 0, 0, 0].item() == 5.0 and a["mat0@q"] is not c["mat0@q"]
+
+
+@pytest.mark.parametrize("cap", [1.5, -1.5, 3.0])
+def test_scalar_conditions_lower_as_host_folded_comparisons(cap):
+    @sm.score_mod
+    def signed(score, b, h, q_idx, kv_idx, cap=1.0):
+        return sm.where(cap > 0, score, -score) + sm.where((cap > 2) & (q_idx < 2), 1.0, 0.0)
+
+    check_lowering(signed(cap=cap), 1, 1, 4, 5)
+
+
+def test_chains_report_unsupported_parts():
+    @sm.score_mod
+    def score_indexed(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
+        return score + table[sm.floor(score).clamp(0, 3)]
+
+    chained = sm.compose(score_indexed(table=torch.randn(4)), sm.raw_callback(_raw_identity))
+    assert "cannot run on cuDNN" in chained.cudnn_unsupported
+    assert sm.compose(sm.causal(), sm.raw_callback(_raw_identity)).cudnn_unsupported is None
+
+
+def test_gathers_at_constant_indices_are_materialized_not_folded():
+    @sm.score_mod
+    def const_index(score, b, h, q_idx, kv_idx, table=sm.TensorParam(), k=2):
+        return score * table[k] + table[0] * 0.5
+
+    mod = const_index(table=torch.tensor([1.5, -2.0, 3.0]))
+    summary = mod.plan.summary()
+    assert sorted(summary["single"].values()) == ["(table[0] * 0.5)", "table[k]"] and not summary["scalar"]
+    assert mod.cudnn_operands((1, 1, 3, 3), device="cpu")["mat0@s"].shape == (1, 1, 1, 1)
+    check_lowering(mod, 1, 1, 3, 3)
