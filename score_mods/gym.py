@@ -31,14 +31,16 @@ Score mods
     (T5, not in the gym)  -                                              relative_position_bias(table, ...)
 
 Structure or runtime value. A size that only bounds a comparison (a window, a prefix length, a
-band width, an offset) is a float parameter: a runtime scalar, so a new value never rebuilds a
-cuDNN graph (``prefix_lm(4).bind(prefix=9.0)``). A size that enters integer arithmetic (a canvas
-width in ``//`` and ``%``, a tile, a dilation, a block size, bit positions) is a Python int baked
-into the expression: it is structure, and a new value is a new graph. Per-token and per-key
-facts (document ids and starts, image spans, global-token flags) are int tensor parameters
-indexed by q_idx or kv_idx, which cuDNN binds as broadcast inputs; learnable tables (Graphormer,
-T5) are float tensor parameters indexed by computed integers, with gradients on the reference
-backend.
+band width, a text length) is an int parameter: a runtime scalar, checked >= 0 on every bind,
+so a new value never rebuilds a cuDNN graph and the name follows it (``prefix_lm(4).bind(
+prefix=9).name == "prefix_lm_9"``). A size that enters integer arithmetic (a canvas width in
+``//`` and ``%``, a tile, a kernel radius in a clamp, a dilation, a block size, bit positions,
+a table offset) is a Python int baked into the expression: it is structure, validated once
+against the sizes it is tied to (kernel odd and inside the canvas, canvas a whole number of
+tiles), and a new value is a new graph. Real-valued knobs (softcap's cap, activation's offset)
+are float parameters. Per-token and per-key facts (document ids and starts, image spans,
+global-token flags, tree ancestry, tile maps) are int or bool tensor parameters; learnable
+tables (Graphormer, T5) are float tensor parameters gathered at computed integers.
 
 Not score or mask mods, so not here (what to use instead):
 * causal.create_causal_block_mask_fast, vsa.create_vsa_block_mask / create_vsa_flash_block_mask:
@@ -176,7 +178,8 @@ def causal() -> ScoreMod:
 
 def sliding_window(window: int) -> ScoreMod:
     """Causal sliding window (``generate_sliding_window``): i - window <= j <= i, so each query
-    sees itself and the `window` keys before it. `window` is a runtime scalar.
+    sees itself and the `window` keys before it. `window` is the runtime scalar `left`
+    (``sliding_window(2).bind(left=5)``).
 
     Mask of ``sliding_window(2)`` (Sq = 6, Skv = 6):
 
@@ -191,7 +194,8 @@ def sliding_window(window: int) -> ScoreMod:
     """
     window = _int("sliding_window", "window", window, 0)
     mod = sm.sliding_window(window, 0)
-    out = mod.renamed(f"sliding_window_{window}")
+    out = mod.renamed("sliding_window")
+    out._name_fn = lambda v: f"sliding_window_{int(v['left'])}"
     out.native_band = mod.native_band
     return out
 
@@ -387,8 +391,9 @@ def natten(canvas_w: int, canvas_h: int, kernel_w: int, kernel_h: int) -> ScoreM
     clamped so the window stays inside the canvas (every query sees exactly kh * kw keys).
     All sizes are structure (they enter // and %); kernels are odd.
 
-    attention-gym clamps the row with the kernel and canvas *widths*; that only agrees with
-    this port on square canvases (on a 6 x 3 canvas its rows see 2 rows, and only columns 0-2).
+    attention-gym clamps the row with the kernel and canvas *widths* (and the column with the
+    heights); that only agrees with this port on square canvases. On a 6-wide, 3-high canvas
+    with a 3 x 3 kernel its every query sees only columns 0-2, and the last row only 2 rows.
 
     Mask of ``natten(4, 3, 3, 3)`` (Sq = 12, Skv = 12):
 

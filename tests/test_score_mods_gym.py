@@ -328,79 +328,6 @@ def og_t5(table, num_buckets, max_distance, bidirectional):
     return lambda s, b, h, q, kv: s + table[h, t5_bucket(kv - q, num_buckets, max_distance, bidirectional)]
 
 
-# =============================================================================== language features
-# The ports are written against the score_mod language as the `lang` branch extends it. A test
-# whose port needs a feature this checkout lacks is an expected failure (strict) naming it.
-
-
-def _traces(body) -> bool:
-    try:
-        body()
-        return True
-    except Exception:  # noqa: BLE001 - any failure means the feature is not there (yet)
-        return False
-
-
-def _p_mask_mod():
-    m = sm.mask_mod(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
-    sm.and_masks(m, m), sm.or_masks(m, m)
-
-
-def _p_int_ops():
-    sm.score_mod(lambda score, b, h, q_idx, kv_idx: sm.where(q_idx // 3 == kv_idx % 2, score, NEG_INF))
-
-
-def _p_bitwise():
-    sm.score_mod(lambda score, b, h, q_idx, kv_idx: sm.where(((q_idx >> 1) & 1 | (kv_idx << 2) ^ 3) == 1, score, 0.0))
-
-
-def _p_methods():
-    sm.score_mod(lambda score, b, h, q_idx, kv_idx: sm.where((q_idx - kv_idx).abs() <= q_idx.clamp(1, 3), score, 0.0))
-
-
-def _p_cond_eq():
-    sm.score_mod(lambda score, b, h, q_idx, kv_idx: sm.where((q_idx < 2) == (kv_idx < 2), score, 0.0))
-
-
-def _p_index_expr():
-    def body(score, b, h, q_idx, kv_idx, t=sm.TensorParam()):
-        return score + t[h, q_idx - kv_idx + 3]
-    sm.score_mod(body)
-
-
-def _p_erf():
-    sm.score_mod(lambda score, b, h, q_idx, kv_idx: sm.erf(score))
-
-
-def _p_floor():
-    sm.score_mod(lambda score, b, h, q_idx, kv_idx: sm.floor(score))
-
-
-def _p_pow():
-    sm.score_mod(lambda score, b, h, q_idx, kv_idx: score * sm.pow(2.0, h))
-
-
-FEATURES = {
-    "mask_mod": _traces(_p_mask_mod),          # @sm.mask_mod, sm.and_masks, sm.or_masks
-    "int_ops": _traces(_p_int_ops),            # integer // and %
-    "bitwise": _traces(_p_bitwise),            # & | ^ << >> on integers
-    "methods": _traces(_p_methods),            # .abs(), .clamp(lo, hi)
-    "cond_eq": _traces(_p_cond_eq),            # == between conditions
-    "index_expr": _traces(_p_index_expr),      # table[h, <integer expression>]
-    "erf": _traces(_p_erf),
-    "floor": _traces(_p_floor),
-    "pow": _traces(_p_pow),
-}
-
-
-def needs(*features: str) -> list:
-    missing = [f for f in features if not FEATURES[f]]
-    if not missing:
-        return []
-    return [pytest.mark.xfail(reason=f"score_mods lacks {', '.join(missing)} (language extension in progress)",
-                              strict=True)]
-
-
 # =============================================================================== cases
 
 
@@ -413,7 +340,6 @@ class Case:
     make: Callable[[Dict[str, torch.Tensor]], Tuple[sm.ScoreMod, Optional[Callable], Optional[Callable]]]
     sq: int
     skv: int
-    needs: Tuple[str, ...] = ()
     b: int = 1
     h: int = 2
     tables: Dict[str, Callable[[torch.Generator], torch.Tensor]] = field(default_factory=dict)
@@ -422,12 +348,11 @@ class Case:
 
 
 CASES: Dict[str, Case] = {}
-MASK = ("mask_mod",)
 
 
-def case(id: str, sq: int, skv: Optional[int] = None, needs: Tuple[str, ...] = (), kind: str = "mask", **kw):
+def case(id: str, sq: int, skv: Optional[int] = None, kind: str = "mask", **kw):
     def register(make):
-        CASES[id] = Case(id, make, sq, sq if skv is None else skv, tuple(needs), _kind=kind, **kw)
+        CASES[id] = Case(id, make, sq, sq if skv is None else skv, _kind=kind, **kw)
         return make
     return register
 
@@ -445,18 +370,18 @@ case("causal_1", 1, nontrivial=False)(lambda t: (gym.causal(), og_causal(), None
 case("sliding_window_3", 11)(lambda t: (gym.sliding_window(3), og_sliding_window(3), None))
 case("sliding_window_0_4x9", 4, 9)(lambda t: (gym.sliding_window(0), og_sliding_window(0), None))
 case("sliding_window_2_rebound_5", 9)(lambda t: (gym.sliding_window(2).bind(left=5.0), og_sliding_window(5), None))
-case("dilated_w4_d2", 13, needs=MASK + ("int_ops", "methods"))(
+case("dilated_w4_d2", 13)(
     lambda t: (gym.dilated_sliding_window(4, 2), og_dilated_sliding_window(4, 2), None))
-case("dilated_w5_d3_7x10", 7, 10, needs=MASK + ("int_ops", "methods"))(
+case("dilated_w5_d3_7x10", 7, 10)(
     lambda t: (gym.dilated_sliding_window(5, 3), og_dilated_sliding_window(5, 3), None))
-case("global_sliding_window_1", 11, needs=MASK + ("methods",))(
+case("global_sliding_window_1", 11)(
     lambda t: (gym.global_sliding_window(1, [1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]),
                og_global_sliding_window(1, T([1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]).bool()), None))
-case("global_sliding_window_s1", 1, needs=MASK + ("methods",), nontrivial=False)(
+case("global_sliding_window_s1", 1, nontrivial=False)(
     lambda t: (gym.global_sliding_window(0, [0]), og_global_sliding_window(0, T([False])), None))
-case("prefix_lm_4", 9, needs=MASK)(lambda t: (gym.prefix_lm(4), og_prefix_lm(4), None))
-case("prefix_lm_5_3x8", 3, 8, needs=MASK)(lambda t: (gym.prefix_lm(5), og_prefix_lm(5), None))
-case("prefix_lm_2_rebound_6", 8, needs=MASK)(lambda t: (gym.prefix_lm(2).bind(prefix=6.0), og_prefix_lm(6), None))
+case("prefix_lm_4", 9)(lambda t: (gym.prefix_lm(4), og_prefix_lm(4), None))
+case("prefix_lm_5_3x8", 3, 8)(lambda t: (gym.prefix_lm(5), og_prefix_lm(5), None))
+case("prefix_lm_2_rebound_6", 8)(lambda t: (gym.prefix_lm(2).bind(prefix=6.0), og_prefix_lm(6), None))
 
 
 def _causal_pred(b, h, q, kv):
@@ -470,58 +395,56 @@ def _lookback1(b, h, q, kv):
 for _name, _lengths in (("docs_3_1_4_2", [3, 1, 4, 2]), ("docs_1", [1])):
     _off = _offsets(_lengths)
     _s = int(_off[-1])
-    case(f"document_{_name}", _s, needs=MASK, nontrivial=_s > 1)(
+    case(f"document_{_name}", _s, nontrivial=_s > 1)(
         lambda t, o=_off: (gym.document(o), og_document(o), None))
-    case(f"document_causal_{_name}", _s, needs=MASK, nontrivial=_s > 1)(
+    case(f"document_causal_{_name}", _s, nontrivial=_s > 1)(
         lambda t, o=_off: (gym.document_causal(o), og_document_causal(o), None))
-    case(f"document_inner_causal_{_name}", _s, needs=MASK, nontrivial=_s > 1)(
+    case(f"document_inner_causal_{_name}", _s, nontrivial=_s > 1)(
         lambda t, o=_off: (gym.document(o, _causal_pred), og_document(o, _causal_pred), None))
-case("document_inner_lookback", 10, needs=MASK)(
+case("document_inner_lookback", 10)(
     lambda t: (gym.document(_offsets([3, 1, 4, 2]), _lookback1), og_document(_offsets([3, 1, 4, 2]), _lookback1), None))
-case("shared_prefix_5docs", 12, needs=MASK)(
+case("shared_prefix_5docs", 12)(
     lambda t: (gym.shared_prefix(_offsets([2, 3, 1, 4, 2]), [0, 0, 0, 3, 3]),
                og_shared_prefix(_offsets([2, 3, 1, 4, 2]), T([0, 0, 0, 3, 3])), None))
-case("shared_prefix_1", 1, needs=MASK, nontrivial=False)(
+case("shared_prefix_1", 1, nontrivial=False)(
     lambda t: (gym.shared_prefix([0, 1], [0]), og_shared_prefix(T([0, 1]), T([0])), None))
 
 # ---- neighbourhoods: plain NATTEN is checked against attention-gym's own definition on square
 # canvases, and against its tiled definition with 1x1 tiles (right for any canvas) elsewhere.
-NAT = MASK + ("int_ops", "methods")
-case("natten_5x5_k3x3", 25, needs=NAT)(lambda t: (gym.natten(5, 5, 3, 3), og_natten_as_published(5, 5, 3, 3), None))
-case("natten_6x4_k3x3", 24, needs=NAT)(lambda t: (gym.natten(6, 4, 3, 3), og_tiled_natten(6, 4, 3, 3, 1, 1), None))
-case("natten_3x5_k3x5", 15, needs=NAT, nontrivial=False)(
+case("natten_5x5_k3x3", 25)(lambda t: (gym.natten(5, 5, 3, 3), og_natten_as_published(5, 5, 3, 3), None))
+case("natten_6x4_k3x3", 24)(lambda t: (gym.natten(6, 4, 3, 3), og_tiled_natten(6, 4, 3, 3, 1, 1), None))
+case("natten_3x5_k3x5", 15, nontrivial=False)(
     lambda t: (gym.natten(3, 5, 3, 5), og_tiled_natten(3, 5, 3, 5, 1, 1), None))
-case("natten_7x3_k5x1", 21, needs=NAT)(lambda t: (gym.natten(7, 3, 5, 1), og_tiled_natten(7, 3, 5, 1, 1, 1), None))
-case("natten_1x1_k1x1", 1, needs=NAT, nontrivial=False)(
+case("natten_7x3_k5x1", 21)(lambda t: (gym.natten(7, 3, 5, 1), og_tiled_natten(7, 3, 5, 1, 1, 1), None))
+case("natten_1x1_k1x1", 1, nontrivial=False)(
     lambda t: (gym.natten(1, 1, 1, 1), og_natten_as_published(1, 1, 1, 1), None))
-case("tiled_natten_6x4_k3x3_t3x2", 24, needs=NAT)(
+case("tiled_natten_6x4_k3x3_t3x2", 24)(
     lambda t: (gym.tiled_natten(6, 4, 3, 3, 3, 2), og_tiled_natten(6, 4, 3, 3, 3, 2), None))
-case("tiled_natten_4x4_k3x3_t2x2", 16, needs=NAT)(
+case("tiled_natten_4x4_k3x3_t2x2", 16)(
     lambda t: (gym.tiled_natten(4, 4, 3, 3, 2, 2), og_tiled_natten(4, 4, 3, 3, 2, 2), None))
-MORTON = NAT + ("bitwise",)
-case("morton_natten_4x4_k3x3", 16, needs=MORTON)(
+case("morton_natten_4x4_k3x3", 16)(
     lambda t: (gym.morton_natten(4, 4, 3, 3), og_morton_natten(4, 4, 3, 3), None))
-case("morton_natten_6x6_k3x3", 52, needs=MORTON)(  # codes up to morton(5, 5) = 51, with holes
+case("morton_natten_6x6_k3x3", 52)(  # codes up to morton(5, 5) = 51, with holes
     lambda t: (gym.morton_natten(6, 6, 3, 3), og_morton_natten(6, 6, 3, 3), None))
-case("morton_natten_2x4_k1x3", 11, needs=MORTON)(
+case("morton_natten_2x4_k1x3", 11)(
     lambda t: (gym.morton_natten(2, 4, 1, 3), og_morton_natten(2, 4, 1, 3), None))
-case("sta_2d_c4x6_k4x4_t2x2_text3", 27, needs=NAT)(
+case("sta_2d_c4x6_k4x4_t2x2_text3", 27)(
     lambda t: (gym.sta_2d((4, 6), (4, 4), (2, 2), text_len=3), og_sta((4, 6), (4, 4), (2, 2), 3), None))
-case("sta_2d_c6x9_k6x3_t2x3_wide", 54, 56, needs=NAT)(
+case("sta_2d_c6x9_k6x3_t2x3_wide", 54, 56)(
     lambda t: (gym.sta_2d((6, 9), (6, 3), (2, 3)), og_sta((6, 9), (6, 3), (2, 3), 0), None))
-case("sta_3d_c2x4x6_k2x4x2_t1x2x2_text2", 50, needs=NAT)(
+case("sta_3d_c2x4x6_k2x4x2_t1x2x2_text2", 50)(
     lambda t: (gym.sta_3d((2, 4, 6), (2, 4, 2), (1, 2, 2), text_len=2), og_sta((2, 4, 6), (2, 4, 2), (1, 2, 2), 2), None))
-case("sta_3d_c3x2x2_k2x1x2_t1x1x1_text1", 13, needs=NAT)(
+case("sta_3d_c3x2x2_k2x1x2_t1x1x1_text1", 13)(
     lambda t: (gym.sta_3d((3, 2, 2), (2, 1, 2), (1, 1, 1), text_len=1), og_sta((3, 2, 2), (2, 1, 2), (1, 1, 1), 1), None))
 
 # ---- video, sparse and structured masks
-case("svg_spatial_sink", 32, needs=MASK + ("methods",))(
+case("svg_spatial_sink", 32)(
     lambda t: (gym.svg_spatial(2, 6, width=1, attn_sink=True, round_width=4), og_svg_spatial(2, 5, 6, 1, True, 4), None))
-case("svg_spatial_round3", 32, needs=MASK + ("methods",))(
+case("svg_spatial_round3", 32)(
     lambda t: (gym.svg_spatial(2, 6, width=2, round_width=3), og_svg_spatial(2, 5, 6, 2, False, 3), None))
-case("svg_temporal_p3_f4_t5", 23, needs=NAT)(
+case("svg_temporal_p3_f4_t5", 23)(
     lambda t: (gym.svg_temporal(3, 4, 5, width=2), og_svg_temporal(3, 4, 5, 2), None))
-case("svg_temporal_p0_f3_t4", 12, needs=NAT)(
+case("svg_temporal_p0_f3_t4", 12)(
     lambda t: (gym.svg_temporal(0, 3, 4, width=2), og_svg_temporal(0, 3, 4, 2), None))
 
 
@@ -530,35 +453,32 @@ def _topk(gen=None):
     return torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(2 * 2 * 3)]).view(2, 2, 3, 2)
 
 
-VSA = MASK + ("int_ops", "index_expr")
-case("vsa_b2h2_t4", 12, 16, needs=VSA, b=2)(
+case("vsa_b2h2_t4", 12, 16, b=2)(
     lambda t: (gym.vsa(gym.vsa_block_map(_topk(), 4), 4), og_vsa(_topk(), 4), None))
-case("vsa_b2h2_t4_padded", 12, 16, needs=VSA, b=2)(
+case("vsa_b2h2_t4_padded", 12, 16, b=2)(
     lambda t: (gym.vsa(gym.vsa_block_map(_topk(), 4), 4, [4, 3, 4, 2]), og_vsa(_topk(), 4, T([4, 3, 4, 2])), None))
-case("vsa_shared_map_t3", 6, 9, needs=VSA)(
+case("vsa_shared_map_t3", 6, 9)(
     lambda t: (gym.vsa(T([[[[1, 0, 1], [0, 1, 0]]]]), 3), og_vsa(T([[[[0, 2], [1, 1]]]]).expand(1, 2, 2, 2), 3), None))
-BD = NAT + ("cond_eq",)
-case("block_diffusion_6_b4", 12, needs=BD)(lambda t: (gym.block_diffusion(6, 4), og_block_diffusion(6, 4), None))
-case("block_diffusion_5_b2_6x10", 5, 10, needs=BD)(lambda t: (gym.block_diffusion(5, 2), og_block_diffusion(5, 2), None))
-case("block_diffusion_1_b1", 2, needs=BD)(lambda t: (gym.block_diffusion(1, 1), og_block_diffusion(1, 1), None))
-JT = MASK + ("methods", "index_expr")
+case("block_diffusion_6_b4", 12)(lambda t: (gym.block_diffusion(6, 4), og_block_diffusion(6, 4), None))
+case("block_diffusion_5_b2_6x10", 5, 10)(lambda t: (gym.block_diffusion(5, 2), og_block_diffusion(5, 2), None))
+case("block_diffusion_1_b1", 2)(lambda t: (gym.block_diffusion(1, 1), og_block_diffusion(1, 1), None))
 _PARENTS = [-1, 0, 1, 1, 3, 3, 0]
-case("jetspec_tree_p3_n7", 7, 10, needs=JT)(
+case("jetspec_tree_p3_n7", 7, 10)(
     lambda t: (gym.jetspec_tree(3, gym.tree_ancestors(_PARENTS)), og_jetspec_tree(3, ancestors(_PARENTS)), None))
-case("jetspec_tree_p0_n7", 7, needs=JT)(
+case("jetspec_tree_p0_n7", 7)(
     lambda t: (gym.jetspec_tree(0, gym.tree_ancestors(_PARENTS)), og_jetspec_tree(0, ancestors(_PARENTS)), None))
-case("jetspec_tree_p2_n1", 1, 3, needs=JT, nontrivial=False)(
+case("jetspec_tree_p2_n1", 1, 3, nontrivial=False)(
     lambda t: (gym.jetspec_tree(2, gym.tree_ancestors([-1])), og_jetspec_tree(2, ancestors([-1])), None))
-case("jetspec_training_p3_b4", 8, 11, needs=MASK + ("int_ops",))(
+case("jetspec_training_p3_b4", 8, 11)(
     lambda t: (gym.jetspec_training(3, 4), og_jetspec_training(3, 4), None))
-case("jetspec_training_p0_b3", 6, needs=MASK + ("int_ops",))(
+case("jetspec_training_p0_b3", 6)(
     lambda t: (gym.jetspec_training(0, 3), og_jetspec_training(0, 3), None))
 _SPANS = [[0, 4], [2, 9], [9, 11]]
-case("flamingo_3x2_text12", 12, 6, needs=MASK)(  # text token 11 sees no image
+case("flamingo_3x2_text12", 12, 6)(  # text token 11 sees no image
     lambda t: (gym.flamingo(_SPANS, 2), og_flamingo(T(_SPANS), 2), None))
-case("flamingo_1x1", 1, needs=MASK, nontrivial=False)(lambda t: (gym.flamingo([[0, 1]], 1), og_flamingo(T([[0, 1]]), 1), None))
-case("batchify_4", 10, needs=MASK + ("int_ops",))(lambda t: (gym.batchify(4), og_batchify(4), None))
-case("batchify_3_causal", 8, needs=MASK + ("int_ops",))(
+case("flamingo_1x1", 1, nontrivial=False)(lambda t: (gym.flamingo([[0, 1]], 1), og_flamingo(T([[0, 1]]), 1), None))
+case("batchify_4", 10)(lambda t: (gym.batchify(4), og_batchify(4), None))
+case("batchify_3_causal", 8)(
     lambda t: (gym.batchify(3, _causal_pred), og_batchify(3, _causal_pred), None))
 
 
@@ -567,14 +487,13 @@ def _rand_table(*shape):
     return lambda g: torch.randn(*shape, generator=g, dtype=F64)
 
 
-case("alibi_h3_5x7", 5, 7, needs=("pow",), kind="mod", h=3)(lambda t: (gym.alibi(3), None, og_alibi(3)))
-case("alibi_h1_1", 1, needs=("pow",), kind="mod", h=1, nontrivial=False)(lambda t: (gym.alibi(1), None, og_alibi(1)))
+case("alibi_h3_5x7", 5, 7, kind="mod", h=3)(lambda t: (gym.alibi(3), None, og_alibi(3)))
+case("alibi_h1_1", 1, kind="mod", h=1, nontrivial=False)(lambda t: (gym.alibi(1), None, og_alibi(1)))
 case("softcap_0.5", 6, 9, kind="mod")(lambda t: (gym.softcap(0.5), None, og_softcap(0.5)))
 case("softcap_0.5_causal", 7, kind="mod")(
     lambda t: (sm.compose(gym.softcap(0.5), gym.causal()), og_causal(), og_softcap(0.5)))
-for _kind, _offset, _needs in (("gelu", 1.0, ("erf",)), ("gelu_tanh", 0.5, ()), ("relu", 0.25, ()),
-                               ("sigmoid", 1.0, ()), ("silu", 2.0, ())):
-    case(f"activation_{_kind}", 5, 7, needs=_needs, kind="mod")(
+for _kind, _offset in (("gelu", 1.0), ("gelu_tanh", 0.5), ("relu", 0.25), ("sigmoid", 1.0), ("silu", 2.0)):
+    case(f"activation_{_kind}", 5, 7, kind="mod")(
         lambda t, k=_kind, o=_offset: (gym.activation(k, o), None, og_activation(k, o)))
 case("activation_custom", 5, kind="mod")(
     lambda t: (gym.activation(lambda x: sm.exp(-x * x), 0.5), None,
@@ -613,19 +532,17 @@ def _edge_inputs():
     return types, lengths
 
 
-GR = ("index_expr",)
-case("graphormer_spatial_b2_n7_h3", 7, needs=GR, kind="mod", b=2, h=3, tables={"table": _rand_table(3, 5)})(
+case("graphormer_spatial_b2_n7_h3", 7, kind="mod", b=2, h=3, tables={"table": _rand_table(3, 5)})(
     lambda t: (gym.graphormer_spatial(_spatial_inputs(), t["table"]), None, og_graphormer_spatial(t["table"], _spatial_inputs())))
-case("graphormer_edge_b2_n6_k3", 6, needs=GR, kind="mod", b=2, h=2, tables={"table": _rand_table(2, 3, 4)})(
+case("graphormer_edge_b2_n6_k3", 6, kind="mod", b=2, h=2, tables={"table": _rand_table(2, 3, 4)})(
     lambda t: (gym.graphormer_edge(*_edge_inputs(), t["table"]), None, og_graphormer_edge(t["table"], *_edge_inputs())))
-case("sandwich_h3_m9_5x9", 5, 9, needs=GR, kind="mod", h=3)(
+case("sandwich_h3_m9_5x9", 5, 9, kind="mod", h=3)(
     lambda t: (gym.sandwich(3, 9, d_bar=16, dtype=F64), None, og_sandwich(3, 9, 16)))
-case("sandwich_h2_m12_11x11", 11, needs=GR, kind="mod")(
+case("sandwich_h2_m12_11x11", 11, kind="mod")(
     lambda t: (gym.sandwich(2, 12, d_bar=8, dtype=F64), None, og_sandwich(2, 12, 8)))
-T5 = ("index_expr", "floor", "methods")
-case("t5_bidirectional_8_20", 13, 29, needs=T5, kind="mod", tables={"table": _rand_table(2, 8)})(
+case("t5_bidirectional_8_20", 13, 29, kind="mod", tables={"table": _rand_table(2, 8)})(
     lambda t: (gym.relative_position_bias(t["table"], 20), None, og_t5(t["table"], 8, 20, True)))
-case("t5_causal_6_10", 17, needs=T5, kind="mod", tables={"table": _rand_table(2, 6)})(
+case("t5_causal_6_10", 17, kind="mod", tables={"table": _rand_table(2, 6)})(
     lambda t: (sm.compose(gym.relative_position_bias(t["table"], 10, bidirectional=False), gym.causal()),
                og_causal(), og_t5(t["table"], 6, 10, False)))
 
@@ -634,7 +551,7 @@ TABLE_CASES = [c for c in CASES.values() if c.tables]
 
 
 def params(cases):
-    return [pytest.param(c, id=c.id, marks=needs(*c.needs)) for c in cases]
+    return [pytest.param(c, id=c.id) for c in cases]
 
 
 # =============================================================================== helpers
@@ -673,7 +590,9 @@ def ours(q, k, v, port):
 
 @pytest.mark.parametrize("c", params(CASES.values()))
 def test_forward_matches_flex_oracle(c: Case):
-    """reference backend == flex(port.to_flex) == flex(oracle score_mod, oracle block mask), float64."""
+    """reference backend == flex(port.to_flex) == flex(oracle score_mod, oracle block mask), float64;
+    for masks also flex(block_mask from port.to_flex_mask)."""
+    torch._dynamo.reset()  # flex traces every mod with dynamo: keep cases independent (see the xfail below)
     q, k, v = qkv(c)
     tables = fresh_tables(c)
     port, mask_fn, score_fn = c.make(tables)
@@ -684,6 +603,11 @@ def test_forward_matches_flex_oracle(c: Case):
     assert_close(ours(q, k, v, port), expected, bound, "reference backend vs flex oracle")
     via_flex = flex.flex_attention(q, k, v, score_mod=port.to_flex(q_len=c.sq, kv_len=c.skv))
     assert_close(via_flex, expected, bound, "flex(port.to_flex()) vs flex oracle")
+    if port.mask_condition() is not None:
+        port_blocks = flex.create_block_mask(port.to_flex_mask(q_len=c.sq, kv_len=c.skv), c.b, c.h, c.sq, c.skv,
+                                             device="cpu")
+        assert_close(flex.flex_attention(q, k, v, block_mask=port_blocks), expected, bound,
+                     "flex(block_mask=port.to_flex_mask()) vs flex oracle")
     if c.nontrivial:
         plain = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", backend="reference")
         assert (plain - expected).abs().max() > 1e-3, "the case does not exercise the port at this size"
@@ -691,8 +615,9 @@ def test_forward_matches_flex_oracle(c: Case):
 
 @pytest.mark.parametrize("c", params(MASK_CASES))
 def test_mask_equals_oracle(c: Case):
-    """The port's dense mask is the oracle's, position for position."""
+    """The port's dense mask is the oracle's, position for position, and it is a pure mask."""
     port, mask_fn, _ = c.make(fresh_tables(c))
+    assert port.mask_condition() is not None, "a mask port must be a pure mask"
     got = port_mask(port, c.b, c.h, c.sq, c.skv)
     want = oracle_mask(mask_fn, c.b, c.h, c.sq, c.skv)
     if not torch.equal(got, want):
@@ -722,99 +647,122 @@ def test_gradients_match_float64_autograd(c: Case):
         assert_close(a, e, DEFAULT_FLOOR[F64] * max(1.0, float(e.abs().max())), name)
 
 
+@pytest.mark.xfail(strict=True, reason="score_mods.eager.gather indexes with Python ints mixed with index tensors "
+                   "(table[h, n, ...] at a constant n); inside flex_attention's dynamo trace, once a shape change has "
+                   "made sizes dynamic, that raises a data-dependent UserError. Passing the int indices as tensors "
+                   "(torch.full_like) fixes it: a language fix, not a port one")
+def test_to_flex_with_a_constant_index_after_a_shape_change():
+    torch._dynamo.reset()
+    first = CASES["alibi_h1_1"]
+    flex.flex_attention(*qkv(first), score_mod=first.make({})[0].to_flex())
+    c = CASES["graphormer_edge_b2_n6_k3"]
+    flex.flex_attention(*qkv(c), score_mod=c.make(fresh_tables(c))[0].to_flex())
+
+
 # ------------------------------------------------------------------------------- docstring pictures
 
 PICTURE = re.compile(r"Mask of ``(.+?)`` \(Sq = (\d+), Skv = (\d+)\):\n\n((?:[ ]+[x.](?: [x.])*\n)+)")
-PICTURE_NEEDS = {
-    "causal": (), "sliding_window": (), "prefix_lm": MASK, "document": MASK, "document_causal": MASK,
-    "shared_prefix": MASK, "flamingo": MASK, "global_sliding_window": MASK + ("methods",),
-    "svg_spatial": MASK + ("methods",), "dilated_sliding_window": NAT, "natten": NAT, "tiled_natten": NAT,
-    "sta_2d": NAT, "sta_3d": NAT, "svg_temporal": NAT, "morton_natten": MORTON, "vsa": VSA, "block_diffusion": BD,
-    "jetspec_tree": JT, "jetspec_training": MASK + ("int_ops",), "batchify": MASK + ("int_ops",),
+MASK_FACTORIES = {
+    "causal", "sliding_window", "dilated_sliding_window", "global_sliding_window", "prefix_lm", "document",
+    "document_causal", "shared_prefix", "natten", "tiled_natten", "morton_natten", "sta_2d", "sta_3d", "svg_spatial",
+    "svg_temporal", "vsa", "block_diffusion", "jetspec_tree", "jetspec_training", "flamingo", "batchify",
 }
+GYM = {"torch": torch, **{n: getattr(gym, n) for n in gym.__all__}}
 
 
 def _pictures():
     out = []
     for name in gym.__all__:
         for m in PICTURE.finditer(getattr(gym, name).__doc__ or ""):
-            rows = [ln.split() for ln in m.group(4).strip("\n").split("\n")]
-            out.append(pytest.param(m.group(1), int(m.group(2)), int(m.group(3)), rows, id=m.group(1)[:40],
-                                    marks=needs(*PICTURE_NEEDS[name])))
+            rows = [" ".join(ln.split()) for ln in m.group(4).strip("\n").split("\n")]
+            out.append(pytest.param(m.group(1), int(m.group(2)), int(m.group(3)), rows, id=m.group(1)[:40]))
     return out
 
 
 def test_every_mask_factory_draws_its_mask():
     drawn = {p.values[0].split("(")[0] for p in _pictures()}
-    assert drawn == set(PICTURE_NEEDS), f"factories without a picture: {set(PICTURE_NEEDS) - drawn}"
+    assert drawn == MASK_FACTORIES, f"mask factories without a picture: {MASK_FACTORIES - drawn}"
 
 
 @pytest.mark.parametrize("call, sq, skv, rows", _pictures())
 def test_docstring_picture_is_the_mask(call, sq, skv, rows):
-    mod = eval(call, {"torch": torch, **{n: getattr(gym, n) for n in gym.__all__}})  # noqa: S307 - our docstrings
-    assert len(rows) == sq and all(len(r) == skv for r in rows), f"picture of {call} is not {sq} x {skv}"
-    drawn = torch.tensor([[c == "x" for c in r] for r in rows])
-    assert torch.equal(port_mask(mod, 1, 1, sq, skv)[0, 0], drawn), f"the picture of {call} is not its mask"
+    """Each docstring picture is what `describe` draws for the call it names (and the eager mask)."""
+    mod = eval(call, GYM)  # noqa: S307 - our own docstrings
+    head, *drawn = mod.describe(sq, skv).split("\n")
+    assert head.startswith(f"{mod.name} ({sq}x{skv}") and drawn == rows, f"the picture of {call} is not its mask"
+    as_bool = torch.tensor([[c == "x" for c in r.split()] for r in rows])
+    assert torch.equal(port_mask(mod, 1, 1, sq, skv)[0, 0], as_bool)
 
 
 # ------------------------------------------------------------------------------- names, structure, validation
 
 NAMES = [
-    ("sliding_window(3)", "sliding_window_3", ()),
-    ("dilated_sliding_window(4, 2)", "dilated_sliding_window_4_d2", NAT),
-    ("prefix_lm(128)", "prefix_lm_128", MASK),
-    ("natten(16, 16, 7, 7)", "natten_16x16_k7x7", NAT),
-    ("tiled_natten(16, 8, 7, 3, 4, 4)", "tiled_natten_16x8_k7x3_t4x4", NAT),
-    ("morton_natten(16, 16, 7, 7)", "morton_natten_16x16_k7x7", MORTON),
-    ("sta_2d((24, 24), (12, 12), (4, 4))", "sta_2d_c24x24_k12x12_t4x4", NAT),
-    ("sta_3d((24, 24, 24), (12, 12, 12), (4, 4, 4))", "sta_3d_c24x24x24_k12x12x12_t4x4x4", NAT),
-    ("block_diffusion(12, 4)", "block_diffusion_12_b4", BD),
-    ("jetspec_training(5, 4)", "jetspec_training_p5_b4", MASK + ("int_ops",)),
-    ("batchify(4)", "batchify_4", MASK + ("int_ops",)),
-    ("alibi(16)", "alibi_h16", ("pow",)),
-    ("softcap(30)", "softcap_30", ()),
-    ("activation('gelu')", "activation_gelu", ("erf",)),
-    ("sandwich(8, 64)", "sandwich_h8_m64", GR),
+    ("sliding_window(3)", "sliding_window_3"),
+    ("sliding_window(3).bind(left=5)", "sliding_window_5"),
+    ("dilated_sliding_window(4, 2)", "dilated_sliding_window_4_d2"),
+    ("dilated_sliding_window(4, 2).bind(window=6)", "dilated_sliding_window_6_d2"),
+    ("global_sliding_window(2, [1, 0])", "global_sliding_window_2"),
+    ("prefix_lm(128)", "prefix_lm_128"),
+    ("prefix_lm(128).bind(prefix=64)", "prefix_lm_64"),
+    ("document([0, 2, 3])", "document"),
+    ("natten(16, 16, 7, 7)", "natten_16x16_k7x7"),
+    ("tiled_natten(16, 8, 7, 3, 4, 4)", "tiled_natten_16x8_k7x3_t4x4"),
+    ("morton_natten(16, 16, 7, 7)", "morton_natten_16x16_k7x7"),
+    ("sta_2d((24, 24), (12, 12), (4, 4))", "sta_2d_c24x24_k12x12_t4x4"),
+    ("sta_3d((24, 24, 24), (12, 12, 12), (4, 4, 4), text_len=8)", "sta_3d_c24x24x24_k12x12x12_t4x4x4_text8"),
+    ("svg_spatial(226, 1350, width=2)", "svg_spatial_p226_s226_b2688"),
+    ("svg_temporal(226, 13, 1350, width=2)", "svg_temporal_p226_t1350_b207"),
+    ("vsa(torch.ones(1, 1, 2, 2, dtype=torch.bool), 64)", "vsa_t64"),
+    ("block_diffusion(12, 4)", "block_diffusion_12_b4"),
+    ("jetspec_tree(5, tree_ancestors([-1, 0, 0]))", "jetspec_tree_p5_n3"),
+    ("jetspec_training(5, 4)", "jetspec_training_p5_b4"),
+    ("flamingo([[0, 7], [7, 12]], 3)", "flamingo_2x3"),
+    ("batchify(4)", "batchify_4"),
+    ("alibi(16)", "alibi_h16"),
+    ("softcap(30)", "softcap_30"),
+    ("activation('gelu')", "activation_gelu"),
+    ("sandwich(8, 64)", "sandwich_h8_m64"),
+    ("relative_position_bias(torch.zeros(8, 32), 128)", "relative_position_bias_32_128"),
 ]
 
 
-@pytest.mark.parametrize("call, name", [pytest.param(c, n, marks=needs(*f), id=n) for c, n, f in NAMES])
+@pytest.mark.parametrize("call, name", NAMES, ids=[n for _, n in NAMES])
 def test_names_carry_values(call, name):
-    assert eval(call, {n: getattr(gym, n) for n in gym.__all__}).name == name  # noqa: S307
+    assert eval(call, GYM).name == name  # noqa: S307
 
 
 def _key(call):
-    return eval(call, {"torch": torch, **{n: getattr(gym, n) for n in gym.__all__}}).cache_key  # noqa: S307
+    return eval(call, GYM).cache_key  # noqa: S307
 
 
-RUNTIME = [  # (a, b): same graph, only a runtime scalar differs
-    ("sliding_window(3)", "sliding_window(5)", ()),
-    ("prefix_lm(2)", "prefix_lm(7)", MASK),
-    ("dilated_sliding_window(4, 2)", "dilated_sliding_window(9, 2)", NAT),
-    ("global_sliding_window(1, [0, 1, 0])", "global_sliding_window(2, [1, 0, 0])", MASK + ("methods",)),
-    ("svg_spatial(2, 6, width=1)", "svg_spatial(5, 7, width=3, attn_sink=True)", MASK + ("methods",)),
-    ("svg_temporal(3, 4, 5, width=2)", "svg_temporal(3, 2, 5, width=2)", NAT),
-    ("sta_2d((4, 4), (2, 2), (2, 2), text_len=1)", "sta_2d((4, 4), (2, 2), (2, 2), text_len=7)", NAT),
-    ("softcap(30)", "softcap(50)", ()),
-    ("activation('relu', 1.0)", "activation('relu', 3.0)", ()),
+RUNTIME = [  # (a, b): one graph, only runtime scalars differ
+    ("sliding_window(3)", "sliding_window(5)"),
+    ("prefix_lm(2)", "prefix_lm(7)"),
+    ("dilated_sliding_window(4, 2)", "dilated_sliding_window(9, 2)"),
+    ("global_sliding_window(1, [0, 1, 0])", "global_sliding_window(2, [1, 0, 0])"),
+    ("svg_spatial(2, 6, width=1)", "svg_spatial(5, 7, width=3, attn_sink=True)"),
+    ("svg_temporal(3, 4, 5, width=2)", "svg_temporal(3, 2, 5, width=2)"),
+    ("sta_2d((4, 4), (2, 2), (2, 2), text_len=1)", "sta_2d((4, 4), (2, 2), (2, 2), text_len=7)"),
+    ("softcap(30)", "softcap(50)"),
+    ("activation('relu', 1.0)", "activation('relu', 3.0)"),
 ]
 STRUCTURE = [  # (a, b): different graphs
-    ("dilated_sliding_window(4, 2)", "dilated_sliding_window(4, 3)", NAT),
-    ("natten(5, 5, 3, 3)", "natten(7, 5, 3, 3)", NAT),
-    ("natten(5, 5, 3, 3)", "natten(5, 5, 5, 3)", NAT),
-    ("svg_temporal(3, 4, 5, width=2)", "svg_temporal(4, 4, 5, width=2)", NAT),
-    ("block_diffusion(6, 2)", "block_diffusion(6, 3)", BD),
-    ("alibi(8)", "alibi(16)", ("pow",)),
-    ("activation('relu')", "activation('sigmoid')", ()),
+    ("dilated_sliding_window(4, 2)", "dilated_sliding_window(4, 3)"),
+    ("natten(5, 5, 3, 3)", "natten(7, 5, 3, 3)"),
+    ("natten(5, 5, 3, 3)", "natten(5, 5, 5, 3)"),
+    ("svg_temporal(3, 4, 5, width=2)", "svg_temporal(4, 4, 5, width=2)"),
+    ("block_diffusion(6, 2)", "block_diffusion(6, 3)"),
+    ("alibi(8)", "alibi(16)"),
+    ("activation('relu')", "activation('sigmoid')"),
 ]
 
 
-@pytest.mark.parametrize("a, b", [pytest.param(a, b, marks=needs(*f), id=a) for a, b, f in RUNTIME])
+@pytest.mark.parametrize("a, b", RUNTIME, ids=[a for a, _ in RUNTIME])
 def test_runtime_sizes_share_a_graph(a, b):
     assert _key(a) == _key(b)
 
 
-@pytest.mark.parametrize("a, b", [pytest.param(a, b, marks=needs(*f), id=f"{a} vs {b}") for a, b, f in STRUCTURE])
+@pytest.mark.parametrize("a, b", STRUCTURE, ids=[f"{a} vs {b}" for a, b in STRUCTURE])
 def test_structural_sizes_change_the_graph(a, b):
     assert _key(a) != _key(b)
 
@@ -858,6 +806,12 @@ BAD = [
                                  torch.zeros(2, 3, 4, dtype=F64)), ValueError, "one row per path position"),
     (lambda: gym.relative_position_bias(torch.zeros(2, 2, dtype=F64)), ValueError, "needs at least 4 buckets"),
     (lambda: gym.relative_position_bias(torch.zeros(2, 8, dtype=F64), bidirectional=1), TypeError, "must be a bool"),
+    (lambda: gym.graphormer_edge(torch.full((1, 3, 3, 2), 4), torch.zeros(1, 3, 3, dtype=torch.int64),
+                                 torch.zeros(2, 2, 4, dtype=F64)), ValueError, r"path_edge_types must lie in \[0, 4\)"),
+    (lambda: gym.graphormer_edge(torch.zeros(1, 3, 3, 2, dtype=torch.int64), torch.full((1, 3, 3), 3),
+                                 torch.zeros(2, 2, 4, dtype=F64)), ValueError, r"path_lengths must .* lie in \[0, 2\]"),
+    (lambda: gym.prefix_lm(3).bind(prefix=-1), ValueError, "prefix must be >= 0"),
+    (lambda: gym.global_sliding_window(1, [0, 1]).bind(window=2.5), TypeError, "int parameter"),
 ]
 
 
@@ -867,12 +821,25 @@ def test_bad_arguments_are_refused(build, exc, match):
         build()
 
 
+# ------------------------------------------------------------------------------- combinators
+
+
+def test_gym_masks_combine_with_and_masks_and_or_masks():
+    """attention-gym builds masks with and_masks / or_masks; the ports combine the same way."""
+    s = 12
+    off = _offsets([5, 4, 3])
+    got = sm.and_masks(gym.document(off), gym.sliding_window(2))
+    want = lambda b, h, q, kv: og_document(off)(b, h, q, kv) & og_sliding_window(2)(b, h, q, kv)  # noqa: E731
+    assert torch.equal(port_mask(got, 1, 1, s, s), oracle_mask(want, 1, 1, s, s))
+    got = sm.or_masks(gym.natten(4, 3, 3, 1), gym.prefix_lm(2))
+    want = lambda b, h, q, kv: og_tiled_natten(4, 3, 3, 1, 1, 1)(b, h, q, kv) | og_prefix_lm(2)(b, h, q, kv)  # noqa: E731
+    assert torch.equal(port_mask(got, 1, 1, s, s), oracle_mask(want, 1, 1, s, s))
+
+
 # ------------------------------------------------------------------------------- NATTEN layouts
 
 
-@pytest.mark.parametrize("canvas_w, canvas_h, kernel_w, kernel_h", [
-    pytest.param(6, 3, 3, 3, marks=needs(*NAT)), pytest.param(5, 7, 3, 5, marks=needs(*NAT)),
-    pytest.param(4, 4, 1, 3, marks=needs(*NAT)), pytest.param(9, 2, 7, 1, marks=needs(*NAT))])
+@pytest.mark.parametrize("canvas_w, canvas_h, kernel_w, kernel_h", [(6, 3, 3, 3), (5, 7, 3, 5), (4, 4, 1, 3), (9, 2, 7, 1)])
 def test_natten_every_query_sees_one_full_kernel(canvas_w, canvas_h, kernel_w, kernel_h):
     """On any canvas each query attends exactly kernel_w * kernel_h keys, within kernel reach."""
     s = canvas_w * canvas_h
@@ -894,9 +861,8 @@ def test_natten_as_published_is_not_a_neighbourhood_off_square():
                        oracle_mask(og_tiled_natten(5, 5, 3, 3, 1, 1), 1, 1, 25, 25))
 
 
-@pytest.mark.parametrize("canvas_w, canvas_h, kernel_w, kernel_h, tile_w, tile_h", [
-    pytest.param(4, 4, 3, 3, 2, 2, marks=needs(*MORTON)), pytest.param(4, 2, 3, 1, 2, 1, marks=needs(*MORTON)),
-    pytest.param(8, 4, 5, 3, 4, 2, marks=needs(*MORTON))])
+@pytest.mark.parametrize("canvas_w, canvas_h, kernel_w, kernel_h, tile_w, tile_h",
+                         [(4, 4, 3, 3, 2, 2), (4, 2, 3, 1, 2, 1), (8, 4, 5, 3, 4, 2)])
 def test_natten_layouts_give_the_same_attention(canvas_w, canvas_h, kernel_w, kernel_h, tile_w, tile_h):
     """Row-major, tile-major and Morton-ordered tokens give the same outputs, token for token
     (attention-gym's own check, here on non-square canvases too)."""
@@ -919,7 +885,7 @@ def test_natten_layouts_give_the_same_attention(canvas_w, canvas_h, kernel_w, ke
 # ------------------------------------------------------------------------------- training and equivalents
 
 
-@pytest.mark.parametrize("bidirectional", [pytest.param(b, marks=needs(*T5)) for b in (True, False)])
+@pytest.mark.parametrize("bidirectional", [True, False])
 def test_t5_relative_position_bias_trains(bidirectional):
     """A few SGD steps on a toy loss move the learned table (exactly the buckets these lengths
     reach); every step's table gradient equals float64 autograd through the oracle; the loss falls."""
@@ -947,7 +913,7 @@ def test_t5_relative_position_bias_trains(bidirectional):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("kind", [pytest.param("gelu", marks=needs("erf")), "relu", "sigmoid"])
+@pytest.mark.parametrize("kind", ["gelu", "relu", "sigmoid"])
 def test_activation_recovers_activation_attention(kind):
     """out * exp(lse) - offset * sum(v) = f(S) V: the score_mod plus the LSE replace the softmax."""
     g = torch.Generator().manual_seed(1)
