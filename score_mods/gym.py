@@ -673,7 +673,8 @@ def vsa(block_map: torch.Tensor, tile_numel: int, variable_block_sizes: Optional
         return _mask(name, vsa, tiles=tiles != 0)
     sizes = _ints(fn, "variable_block_sizes", variable_block_sizes)
     if sizes.numel() != tiles.shape[-1]:
-        raise ValueError(f"{fn}: variable_block_sizes needs one size per key tile ({tiles.shape[-1]}), got {sizes.numel()}")
+        raise ValueError(f"{fn}: variable_block_sizes needs one size per key tile ({tiles.shape[-1]}), "
+                         f"got {sizes.numel()}")
     kv_valid = torch.arange(sizes.numel() * T) % T < sizes.repeat_interleave(T)
 
     def vsa_padded(b, h, q_idx, kv_idx, tiles=sm.TensorParam("bool"), kv_valid=sm.TensorParam("bool")):
@@ -799,7 +800,8 @@ def flamingo(intervals: IntSeq, image_token_length: int) -> ScoreMod:
     def flamingo(b, h, q_idx, kv_idx, image_start=sm.TensorParam("int"), image_end=sm.TensorParam("int")):
         return (q_idx >= image_start[kv_idx]) & (q_idx < image_end[kv_idx])
 
-    return _mask(f"flamingo_{spans.shape[0]}x{L}", flamingo, image_start=start.to(torch.int32), image_end=end.to(torch.int32))
+    return _mask(f"flamingo_{spans.shape[0]}x{L}", flamingo, image_start=start.to(torch.int32),
+                 image_end=end.to(torch.int32))
 
 
 def batchify(size: int, inner: Optional[Predicate] = None) -> ScoreMod:
@@ -1017,4 +1019,5 @@ def relative_position_bias(table: torch.Tensor, max_distance: int = 128, bidirec
         bucket = first + sm.where(dist < exact, dist, sm.minimum(far, n - 1))
         return score + table[h, bucket]
 
-    return _mod(f"relative_position_bias_{table.shape[1]}_{md}{'' if bidirectional else '_causal'}", relative_position_bias, table=table)
+    name = f"relative_position_bias_{table.shape[1]}_{md}{'' if bidirectional else '_causal'}"
+    return _mod(name, relative_position_bias, table=table)
