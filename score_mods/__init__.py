@@ -22,3 +22,5 @@ __all__ = [
     "causal", "causal_bottom_right", "sliding_window", "softcap", "post_scale_bias", "alibi", "alibi_slopes",
     "document_mask", "padding_mask", "compose", "and_masks", "or_masks",
 ]
+
+from . import gym  # noqa: E402  (attention-gym's masks and mods as factories: score_mods.gym.natten(...), ...)
