@@ -74,7 +74,10 @@ def gather(t: torch.Tensor, n: Node, idx: list, clamp_b: bool = False) -> torch.
     if not any(_is_t(i) for i in out):
         return t[tuple(out)]
     device = t.device
-    return t[tuple(i.to(device) if _is_t(i) else i for i in out)]
+    like = next(i for i in out if _is_t(i))
+    # Python ints become index tensors too: mixed int / tensor indexing is data-dependent under
+    # dynamo (flex_attention traces the mod) once sizes are dynamic
+    return t[tuple(i.to(device) if _is_t(i) else torch.full_like(like, i, device=device) for i in out)]
 
 
 def evaluate(root: Node, env: Dict[str, Any], params: Mapping[str, Any], extra: Mapping[Node, Any] = None,

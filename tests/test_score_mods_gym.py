@@ -650,10 +650,6 @@ def test_gradients_match_float64_autograd(c: Case):
         assert_close(a, e, DEFAULT_FLOOR[F64] * max(1.0, float(e.abs().max())), name)
 
 
-@pytest.mark.xfail(strict=True, reason="score_mods.eager.gather indexes with Python ints mixed with index tensors "
-                   "(table[h, n, ...] at a constant n); inside flex_attention's dynamo trace, once a shape change has "
-                   "made sizes dynamic, that raises a data-dependent UserError. Passing the int indices as tensors "
-                   "(torch.full_like) fixes it: a language fix, not a port one")
 def test_to_flex_with_a_constant_index_after_a_shape_change():
     torch._dynamo.reset()
     first = CASES["alibi_h1_1"]
