@@ -239,7 +239,7 @@ class DenseRunner:
             self._clear_rows(out, stats, seqs)
         lse = stats.view(self.lse_shape) if self.static.spec.return_lse else None
         saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
-        return out, lse, saved, (bind, seqs, bias is not None, sinks is not None)
+        return out, lse, saved, (bind, seqs, bias is not None, sinks is not None, mod)
 
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
         """Gradients from a given output and fp32 lse (B, H, Sq), e.g. of a larger attention this

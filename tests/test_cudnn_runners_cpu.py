@@ -1,0 +1,214 @@
+"""The cuDNN runners on CPU with a stub graph executor standing in for cuDNN.
+
+Graphs are constructed for real (the frontend builds the operation graph without a GPU); only
+planning and execution are stubbed. The stub checks that every slot of the graph is bound, that
+each bound buffer covers the extent the graph tensor addresses with its dims and strides, and
+fills the outputs. So every runner path (dense, thd, padded-as-thd, bias views and trained
+tables, sinks, dropout, the padded-key backward, misaligned copies, the custom-op backward and
+the lse-given backward) runs its binding and allocation logic in CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+cudnn = pytest.importorskip("cudnn")
+
+import score_mods as sm  # noqa: E402
+from fused_attn.backends import cudnn as backend  # noqa: E402
+from fused_attn.backends.cudnn import common, graphs, runtime  # noqa: E402
+from fused_attn.plan import NO_VARLEN, Varlen, _static_problem  # noqa: E402
+from fused_attn.spec import resolve_spec  # noqa: E402
+
+_OUTPUTS = ("o", "stats", "dQ", "dK", "dV", "dBias", "dSink")
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    """Stub cuDNN: real graph construction, no planning, an executor that checks bindings."""
+    from fused_attn.backends.cudnn import version
+    from fused_attn.cache import GRAPH_CACHE
+
+    GRAPH_CACHE.clear()
+    monkeypatch.setattr(version, "_result", (None, 91900))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: _Null())
+    refusal = backend.refusal
+
+    def cpu_refusal(problem):  # CPU tensors stand in for CUDA ones here
+        why = refusal(problem)
+        return None if why is not None and "needs CUDA tensors" in why else why
+
+    monkeypatch.setattr(backend, "refusal", cpu_refusal)
+    executed = []
+
+    def fake_build(key, mod, templates, handle):
+        graph, named = graphs.construct(key, mod, templates)
+        dims = {s: (list(t.dim), list(t.stride)) for s, t in named.items()}
+        return graphs.CompiledGraph(dims, tuple(named), [0] * len(named), 0, None)
+
+    def fake_execute(compiled, bind, device_index):
+        missing = set(compiled.slots) - set(bind)
+        assert not missing, f"unbound graph slots {sorted(missing)}"
+        for slot in compiled.slots:
+            dims, strides = compiled.graph[slot]
+            t = bind[slot]
+            if t.device.type == "cpu" and t.numel() == 1 and slot.startswith(("sm:", "attn_scale")):
+                continue  # pass-by-value scalars
+            if slot.startswith("roff_") or slot.startswith("seq_"):
+                continue
+            extent = 1 + sum((d - 1) * s for d, s in zip(dims, strides) if d > 0)
+            if not slot.startswith(("q", "k", "v", "o", "dO", "dQ", "dK", "dV")) or not compiled.ragged:
+                assert t.numel() >= extent or t.storage_offset() + extent <= t.untyped_storage().nbytes() // t.element_size(), \
+                    f"slot {slot}: buffer of {t.numel()} elements under a graph tensor addressing {extent}"
+        for slot in _OUTPUTS:
+            if slot in bind:
+                bind[slot].normal_()
+        executed.append(tuple(sorted(compiled.slots)))
+
+    monkeypatch.setattr(common, "build", fake_build)
+    monkeypatch.setattr(runtime, "handle_for", lambda index: None)
+    monkeypatch.setattr(runtime, "execute", fake_execute)
+    orig_get = common.Graphs.get
+
+    def get(self, direction):
+        compiled = orig_get(self, direction)
+        compiled.ragged = self.keys[direction].ragged
+        return compiled
+
+    monkeypatch.setattr(common.Graphs, "get", get)
+    yield executed
+    GRAPH_CACHE.clear()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def runner_for(q, k, v, varlen=NO_VARLEN, sinks=None, force_grad=True, **spec_kw):
+    spec, mod = resolve_spec(**spec_kw)
+    problem = _static_problem(spec, mod, q, k, v, varlen, sinks, force_grad)
+    return backend.make_runner(problem), mod
+
+
+def bf16(*shape, grad=False):
+    return torch.randn(*shape).to(torch.bfloat16).requires_grad_(grad)
+
+
+def full_cycle(runner, q, k, v, varlen, mod, sinks, grad_shapes):
+    """forward, backward from the saved state, backward from the call's arguments, op_grads, lse-given."""
+    out, lse, saved, state = runner.forward(q, k, v, varlen, mod, sinks)
+    d_o = torch.randn(out.shape).to(out.dtype)
+    grads = runner.backward(state, saved, d_o)
+    assert [tuple(g.shape) for g in grads[:3]] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    again = runner.backward_call(q, k, v, out, saved[4], varlen, mod, sinks, d_o)
+    assert len(again) == len(grads)
+    extra = runner.op_grads(mod, sinks, again)
+    assert [None if g is None else tuple(g.shape) for g in extra] == grad_shapes
+    return out, lse
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+@pytest.mark.parametrize("kw", [dict(), dict(attn_mask_type="causal"), dict(score_mod=sm.softcap(20.0)),
+                                dict(score_mod=sm.softcap(20.0), attn_mask_type="causal_bottom_right",
+                                     window_size=(8, 0)),
+                                dict(softmax_type="off-by-one"), dict(dropout_p=0.1)])
+def test_dense_runner_binds_every_slot(stub, fmt, kw):
+    shape = {"bshd": (2, 128, 4, 64), "sbhd": (128, 2, 4, 64), "bhsd": (2, 4, 128, 64)}[fmt]
+    q, k, v = (bf16(*shape) for _ in range(3))
+    runner, mod = runner_for(q, k, v, qkv_format=fmt, backend="cudnn", **kw)
+    out, _ = full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [])
+    assert out.shape == shape and out.is_contiguous()
+    assert stub and all("dQ" in s for s in stub[1:])
+
+
+def test_dense_runner_lse_given_backward(stub):
+    q, k, v = (bf16(1, 128, 2, 64) for _ in range(3))
+    runner, mod = runner_for(q, k, v, backend="cudnn", return_lse=True)
+    out, lse, _, _ = runner.forward(q, k, v, NO_VARLEN, mod, None)
+    assert lse.shape == (1, 2, 128)
+    grads = runner.backward_with_lse(q, k, v, out, lse, NO_VARLEN, mod, None, torch.randn(out.shape).to(out.dtype))
+    assert grads[0].shape == q.shape
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 128, 128), (2, 1, 128, 128)])
+def test_trained_bias_view_gets_dbias(stub, shape):
+    q, k, v = (bf16(2, 128, 2, 64) for _ in range(3))
+    bias = torch.randn(*shape, requires_grad=True)
+    runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=sm.post_scale_bias(bias))
+    assert runner.lowering.bias == "view" and runner.bias_grad and runner.bias_cast == torch.bfloat16
+    extras = runner.grad_inputs(mod, None)
+    assert len(extras) == 1 and extras[0].shape == shape
+    full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [shape])
+
+
+def test_trained_table_goes_through_a_materialized_bias(stub):
+    @sm.score_mod
+    def rel(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
+        return score + table[h, (q_idx - kv_idx).clamp(-7, 7) + 7]
+
+    table = torch.randn(2, 15, requires_grad=True)
+    mod = rel(table=table)
+    q, k, v = (bf16(1, 128, 2, 64) for _ in range(3))
+    runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=mod)
+    assert runner.lowering.bias == "dense" and runner.lowering.graph_mod is None
+    (g,) = runner.grad_inputs(mod, None)
+    assert g.shape == (1, 2, 128, 128) and g.requires_grad  # autograd to the table
+    full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [(2, 15)])
+
+
+@pytest.mark.parametrize("skv", [192, 64])
+def test_key_length_64_mod_128_pads_the_backward(stub, skv):
+    q = bf16(1, 128, 2, 64)
+    k, v = bf16(1, skv, 2, 64), bf16(1, skv, 2, 64)
+    bias = torch.randn(1, 2, 128, skv).to(torch.bfloat16)
+    runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=sm.compose(sm.softcap(5.0), sm.post_scale_bias(bias)))
+    assert runner.kv_pad == 64
+    assert runner.graphs.keys["bwd"].k_dims[2] == skv + 64 and runner.graphs.keys["fwd"].k_dims[2] == skv
+    full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [None])
+
+
+def test_misaligned_inputs_are_copied(stub):
+    base = torch.randn(2 * 128 * 2 * 64 + 1).to(torch.bfloat16)
+    q = base[1:].view(2, 128, 2, 64)
+    k, v = bf16(2, 128, 2, 64), bf16(2, 128, 2, 64)
+    runner, mod = runner_for(q, k, v, backend="cudnn")
+    assert runner.copy_inputs
+    full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [])
+
+
+def _thd(lens_q, lens_kv, h=4, hkv=2):
+    cq = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    ck = torch.tensor([0] + torch.tensor(lens_kv).cumsum(0).tolist(), dtype=torch.int32)
+    q = bf16(int(cq[-1]), h, 64)
+    k, v = bf16(int(ck[-1]), hkv, 64), bf16(int(ck[-1]), hkv, 64)
+    return q, k, v, Varlen(cq, ck, None, None, max(lens_q), max(lens_kv))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(attn_mask_type="causal"), dict(score_mod=sm.softcap(20.0)),
+                                dict(softmax_type="off-by-one"), dict(dropout_p=0.2)])
+def test_thd_runner_binds_every_slot(stub, kw):
+    q, k, v, varlen = _thd([5, 0, 130], [5, 0, 130])
+    runner, mod = runner_for(q, k, v, varlen, qkv_format="thd", backend="cudnn", return_lse=True,
+                             **kw)
+    out, lse = full_cycle(runner, q, k, v, varlen, mod, None, [])
+    assert out.shape == (135, 4, 64) and lse.shape == (4, 135)
+
+
+def test_padded_dense_runs_as_packed(stub):
+    from fused_attn.backends.cudnn.padded import PaddedAsThdRunner
+
+    q, k, v = (bf16(3, 128, 2, 64) for _ in range(3))
+    cu_q = torch.tensor([0, 100, 100, 228], dtype=torch.int32)
+    cu_kv = torch.tensor([0, 0, 50, 178], dtype=torch.int32)
+    varlen = Varlen(cu_q, cu_kv)
+    runner, mod = runner_for(q, k, v, varlen, attn_mask_type="padding_causal", backend="cudnn", return_lse=True)
+    assert isinstance(runner, PaddedAsThdRunner)
+    out, lse = full_cycle(runner, q, k, v, varlen, mod, None, [])
+    assert out.shape == q.shape and lse.shape == (3, 2, 128)
+    assert torch.isinf(lse[0]).all()  # sequence 0 has no key
