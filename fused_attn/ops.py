@@ -108,11 +108,14 @@ def _structure_mod(spec: AttentionSpec, tensors: Sequence[torch.Tensor]) -> Any:
     return template.rebind(template.scalars(), dict(zip(template.tensors(), tensors)))
 
 
-def _plan(spec_key_: str, query, key, value, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, sinks, scalars, tensors):
+def _plan(spec_key_: str, query, key, value, cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv, sinks, scalars, tensors,
+          backward: bool = False):
+    """The call plan inside an op (inputs there never require grad: `backward` forces the
+    backward graph into the plan of attn_bwd)."""
     spec = lookup_spec(spec_key_)
     mod = _bound_mod(spec, scalars, tensors)
     varlen = Varlen(cu_q, cu_kv, cu_q_pad, cu_kv_pad, max_q, max_kv)
-    plan = get_plan(spec, mod, query, key, value, varlen, sinks)
+    plan = get_plan(spec, mod, query, key, value, varlen, sinks, force_grad=backward)
     return spec, mod, varlen, plan
 
 
@@ -174,7 +177,7 @@ def attn_bwd(grad_out: _T, query: _T, key: _T, value: _T, out: _T, saved: _T, cu
     """[dq, dk, dv, *grads of runner.grad_inputs (empty tensors where none)]."""
     spec, mod, varlen, plan = _plan(spec_key, query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                     cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars,
-                                    score_mod_tensors)
+                                    score_mod_tensors, backward=True)
     grads = plan.runner.backward_call(query, key, value, out, saved, varlen, mod, sinks, grad_out, dropout_rng)
     grads = list(grads[:3]) + plan.runner.op_grads(mod, sinks, grads)
     inputs = [grad_out, query, key, value, out, saved]

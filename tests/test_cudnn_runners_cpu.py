@@ -163,11 +163,21 @@ def test_trained_table_goes_through_a_materialized_bias(stub):
 
 
 @pytest.mark.parametrize("skv", [192, 64])
-def test_key_length_64_mod_128_pads_the_backward(stub, skv):
+@pytest.mark.parametrize("with_softcap", [False, True])
+def test_key_length_64_mod_128_pads_the_backward(stub, skv, with_softcap):
+    from fused_attn.plan import Refusal
+
     q = bf16(1, 128, 2, 64)
     k, v = bf16(1, skv, 2, 64), bf16(1, skv, 2, 64)
     bias = torch.randn(1, 2, 128, skv).to(torch.bfloat16)
-    runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=sm.compose(sm.softcap(5.0), sm.post_scale_bias(bias)))
+    if with_softcap:  # a bias next to a score_mod: refused at this key length
+        with pytest.raises(Refusal, match="64 mod 128"):
+            runner_for(q, k, v, backend="cudnn", score_mod=sm.compose(sm.softcap(5.0), sm.post_scale_bias(bias)))
+        runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=sm.softcap(5.0))
+        assert runner.kv_pad == 64
+        full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [])
+        return
+    runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=sm.post_scale_bias(bias))
     assert runner.kv_pad == 64
     assert runner.graphs.keys["bwd"].k_dims[2] == skv + 64 and runner.graphs.keys["fwd"].k_dims[2] == skv
     full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [None])
@@ -212,3 +222,21 @@ def test_padded_dense_runs_as_packed(stub):
     out, lse = full_cycle(runner, q, k, v, varlen, mod, None, [])
     assert out.shape == q.shape and lse.shape == (3, 2, 128)
     assert torch.isinf(lse[0]).all()  # sequence 0 has no key
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(score_mod=sm.softcap(20.0), attn_mask_type="causal"),
+                                dict(softmax_type="off-by-one")])
+def test_cudnn_runner_through_the_custom_ops_under_compile(stub, kw):
+    """The compiled path (custom ops, fake shapes, backward op) with the cuDNN backend's runners."""
+    import fused_attn
+
+    torch._dynamo.reset()
+    q, k, v = (bf16(2, 128, 2, 64, grad=True) for _ in range(3))
+
+    def f(a, b, c):
+        return fused_attn.dot_product_attention(a, b, c, backend="cudnn", **kw)
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert out.shape == q.shape
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))

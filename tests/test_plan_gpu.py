@@ -275,6 +275,10 @@ def test_no_nan_dq_at_key_lengths_64_mod_128(skv, sq_equal, form):
     bias = torch.zeros(1, 2, sq, skv, device="cuda", dtype=DT)
     bias[:, :, sq // 2:] = -200.0
     mod = sm.post_scale_bias(bias) if form == "bias" else sm.compose(sm.softcap(30.0), sm.post_scale_bias(bias))
+    if form != "bias" and skv % 128 == 64:  # refused on cuDNN (see DenseRunner._padded_backward); auto falls back
+        with pytest.raises(NotImplementedError, match="64 mod 128"):
+            fused_attn.dot_product_attention(q, k, v, score_mod=mod, backend="cudnn")
+        return
     out = fused_attn.dot_product_attention(q, k, v, score_mod=mod, backend="cudnn")
     grads = torch.autograd.grad(out, (q, k, v), do)
     assert not any(torch.isnan(g).any() for g in grads)

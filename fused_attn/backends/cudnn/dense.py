@@ -119,6 +119,10 @@ class DenseRunner:
         from ...plan import Refusal
 
         spec, p = self.static.spec, self.static
+        if self.lowering.bias is not None and self.has_mod:
+            raise Refusal("a key length 64 mod 128 with a bias next to a score_mod: cuDNN 9.19's backward can write NaN "
+                          "into dQ there, and its padded-key formulation (seq_len + score_mod + bias input) crashes the "
+                          "9.19 planner; pad the keys to a multiple of 128 or use backend='reference'")
         if self.has_mod and self.lowering.user_mod is not None and self.lowering.user_mod.needs_host_lengths:
             raise Refusal("a key length 64 mod 128 with a score_mod that folds q_len / kv_len: cuDNN 9.19's backward "
                           "can write NaN into dQ there, and the padded formulation cannot fold the lengths")
