@@ -49,34 +49,38 @@ _BENCH = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num
 
 # ----------------------------------------------------------------------------- configurations
 
-def model_config(family: str, size: str = "bench", **overrides):
+def model_config(family: str, size: str = "bench", window: Optional[int] = None, **overrides):
     """A transformers config of `family` ("llama", "gemma2", "qwen2", "gpt_oss").
 
     size "tiny" (tests: 2 layers, hidden 64, 4/2 heads of dim 16, vocab 128, windows of 4 tokens,
     Gemma 2 softcap 5, initializer_range 0.2 so that attention, softcap and sinks matter) or
-    "bench" (8 layers, hidden 1024, 16/4 heads of dim 64, vocab 32000).
+    "bench" (8 layers, hidden 1024, 16/4 heads of dim 64, vocab 32000; windows: Gemma 2 and
+    Qwen 2 1024, gpt-oss 128). window: the sliding window (not Llama); overrides: config fields.
     """
     import transformers as tf
 
     tiny = size == "tiny"
     kw = dict(_TINY if tiny else _BENCH)
-    window = 4 if tiny else None
+    kw.update(overrides)
+    extra: Dict[str, object] = {}
     if family == "llama":
         cls = tf.LlamaConfig
     elif family == "qwen2":
         cls = tf.Qwen2Config
-        kw.update(use_sliding_window=True, sliding_window=window or 1024, max_window_layers=1)
+        extra = dict(use_sliding_window=True, sliding_window=window or (4 if tiny else 1024), max_window_layers=1)
     elif family == "gemma2":
         cls = tf.Gemma2Config
-        kw.update(sliding_window=window or 1024, query_pre_attn_scalar=kw["head_dim"],
-                  attn_logit_softcapping=5.0 if tiny else 50.0, final_logit_softcapping=30.0)
+        extra = dict(sliding_window=window or (4 if tiny else 1024), query_pre_attn_scalar=kw["head_dim"],
+                     attn_logit_softcapping=5.0 if tiny else 50.0, final_logit_softcapping=30.0)
     elif family == "gpt_oss":
         cls = tf.GptOssConfig
-        kw.update(sliding_window=window or 128, num_local_experts=4, num_experts_per_tok=2,
-                  intermediate_size=32 if tiny else 1408)
+        extra = dict(sliding_window=window or (4 if tiny else 128), num_local_experts=4, num_experts_per_tok=2,
+                     intermediate_size=32 if tiny else 1408)
     else:
         raise ValueError(f"unknown model family {family!r}; choose from {FAMILIES}")
-    kw.update(overrides)
+    for name, value in extra.items():
+        if name not in overrides:
+            kw[name] = value
     return cls(**kw)
 
 

@@ -155,6 +155,7 @@ def parse_mask_function(mask_function: Callable) -> MaskPattern:
     return MaskPattern(base, window, packed)
 
 
+@torch.compiler.disable  # reads closures and mask values on the host: a graph break under torch.compile
 def attention_mask_function(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
                             mask_function: Optional[Callable] = None, attention_mask: Optional[torch.Tensor] = None,
                             **kwargs: Any) -> Optional[torch.Tensor]:
@@ -373,21 +374,20 @@ def _check_same_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
 
 # ----------------------------------------------------------------------------- masks -> lengths
 
+@torch.compiler.disable  # one host read of the mask: a graph break under torch.compile
 def _mask_lengths(mask: torch.Tensor, sq: int, causal: bool, windowed: bool) -> _Lengths:
     """A 2-D mask's thd arguments, computed once per mask tensor (one host read) and shared by
     the layers of a forward. bool / non-int32: padding (nonzero = token); int32: segment ids."""
     key = (id(mask), mask._version, tuple(mask.shape), sq, causal, windowed)
-    if not torch.compiler.is_compiling():
-        hit = _PREPARED.get_identity(key, (mask,))
-        if hit is not None:
-            return hit
+    hit = _PREPARED.get_identity(key, (mask,))
+    if hit is not None:
+        return hit
     host = mask.detach().to("cpu", torch.int64)
     segments = mask.dtype == torch.int32
     if not segments:
         host = (host != 0).to(torch.int64)
     lengths = _lengths_from_ids(host, sq, causal, windowed, segments, mask.device)
-    if not torch.compiler.is_compiling():
-        _PREPARED.put_identity(key, (mask,), lengths)
+    _PREPARED.put_identity(key, (mask,), lengths)
     return lengths
 
 
@@ -465,6 +465,7 @@ def _offsets(starts: torch.Tensor, total: int, device: torch.device) -> torch.Te
     return torch.cat([starts, torch.tensor([total])]).to(device=device, dtype=torch.int32)
 
 
+@torch.compiler.disable  # host reads of the mask: a graph break under torch.compile
 def _reduce_4d(mask: torch.Tensor, batch: int, sq: int, skv: int, causal: bool,
                window: Optional[Tuple[int, int]]) -> torch.Tensor:
     """A prepared (B|1, 1|H, Sq, Skv) mask -> the bool (B, W) padding mask it equals (causal /
