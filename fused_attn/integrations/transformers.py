@@ -28,7 +28,9 @@ How transformers' arguments map onto `fused_attn.dot_product_attention`:
 * Padding: the mask function returns the 2-D padding mask (bool (B, W), W = keys up to the last
   query); the attention function turns it, once per mask tensor, into packed thd with
   `cu_seqlens_*` and `cu_seqlens_*_padded` (no copy of q/k/v when their layout allows a view):
-  left, right and per-row contiguous padding. Padded query positions get 0 (as flash-attention).
+  left, right and per-row contiguous padding. Causal: padded query positions get 0 (as
+  flash-attention; eager gives them an average of every value); bidirectional: every query
+  attends the row's tokens (eager's semantics).
 * Packed batches (`DataCollatorWithFlattening`): `cu_seq_lens_q/k` + `max_length_q/k` kwargs (no
   host sync), else the packing transformers detects in `position_ids` (when no cache is used:
   pass use_cache=False, as for eager and sdpa), which the mask function returns as int32
@@ -39,8 +41,10 @@ How transformers' arguments map onto `fused_attn.dot_product_attention`:
 Refused with NotImplementedError naming the case (never silently different): `or_mask_function`
 / custom and chunked / block-wise mask patterns, 4-D masks with biases or irregular patterns,
 flex BlockMasks, `position_bias`, padding with holes inside a row, a non-causal sliding window
-with a KV cache. Padded batches cost one host read per forward (per mask tensor, shared by
-the layers); dense and `cu_seq_lens_*` calls cost none.
+with a KV cache, packed position_ids with a padding mask or a cache. Padded batches cost one
+host read per forward (per mask tensor, shared by the layers); dense and `cu_seq_lens_*` calls
+cost none. torch.compile works with graph breaks at the mask handling (fullgraph=True does not:
+transformers' mask closures cannot be read while tracing).
 """
 
 from __future__ import annotations
