@@ -1,7 +1,8 @@
 """Benchmarks of fused_attn against its peers: `python -m fused_attn bench [suite] [--quick] [--out DIR]`.
 
-Suites: host (host overhead, build times), dense, mods (score_mods), varlen; `all` runs them in
-that order (host first, so its first-build row is the process's first graph build). Every impl is
+Suites: host (host overhead, build times), dense, mods (score_mods), varlen, models (training
+Hugging Face models, needs transformers); `all` runs them in that order (host first, so its
+first-build row is the process's first graph build). Every impl is
 checked against an fp32 torch reference before it is timed; a wrong result makes the exit status 1.
 Results: a printed table per suite plus `<out>/<suite>_<gpu>.csv` and `.md` with the versions.
 """
@@ -18,7 +19,7 @@ import torch
 from .common import DEFAULT_OUT, environment, print_table, write_results
 from .runner import SuiteResult
 
-SUITES = ("host", "dense", "mods", "varlen")
+SUITES = ("host", "dense", "mods", "varlen", "models")
 
 __all__ = ["main", "SUITES", "cpu_smoke"]
 
@@ -30,6 +31,8 @@ def _suite_runner(name: str) -> Callable[[bool, torch.device], SuiteResult]:
         from .dense import run
     elif name == "mods":
         from .bench_mods import run
+    elif name == "models":
+        from .models import run
     else:
         from .varlen import run
     return run
