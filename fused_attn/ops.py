@@ -136,8 +136,10 @@ def attn_fwd(query: _T, key: _T, value: _T, cu_seqlens_q: _OT, cu_seqlens_kv: _O
                                     score_mod_tensors)
     check_values(plan, query, key, varlen)
     out, lse, saved, _state = plan.runner.forward(query, key, value, varlen, mod, sinks, dropout_rng)
-    stats = saved[4] if plan.backend == "cudnn" else query.new_empty((0,), dtype=torch.float32)
+    stats = saved[4].clone() if plan.backend == "cudnn" else query.new_empty((0,), dtype=torch.float32)
     lse = query.new_empty((0,), dtype=torch.float32) if lse is None else lse.clone()
+    if out.untyped_storage().data_ptr() == stats.untyped_storage().data_ptr():  # pragma: no cover - cloned above
+        out = out.clone()
     return out, lse, stats
 
 

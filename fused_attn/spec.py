@@ -170,10 +170,13 @@ def resolve_spec(qkv_format: Any = "bshd", attn_mask_type: Any = "no_mask", wind
     raw = score_mod_tensors is not None or score_mod_bprop is not None or score_mod_bprop_tensors is not None
     key = None
     if not raw:
+        # the types go into the key with the values, so 1 / 1.0 / True never share an entry
+        window = window_size
+        if window is not None:
+            window = _typed(tuple(window) if isinstance(window, (list, tuple)) else window)
+        key = (qkv_format, attn_mask_type, window, softmax_scale, type(softmax_scale), id(score_mod), return_lse,
+               type(return_lse), backend, deterministic, type(deterministic), softmax_type, dropout_p, type(dropout_p))
         try:
-            window = tuple(window_size) if isinstance(window_size, (list, tuple)) else window_size
-            key = (qkv_format, attn_mask_type, _typed(window), _typed(softmax_scale), id(score_mod),
-                   _typed(return_lse), backend, _typed(deterministic), softmax_type, _typed(dropout_p))
             hash(key)
         except TypeError:
             key = None
