@@ -20,7 +20,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["reference_attention", "same_dtype_error", "tolerance", "grad_tolerances", "assert_close",
+__all__ = ["reference_attention", "same_dtype_error", "tolerance", "grad_tolerances", "bound_from", "assert_close",
            "max_error", "DEFAULT_FACTOR", "DEFAULT_FLOOR"]
 
 DEFAULT_FACTOR = 2.0
@@ -111,9 +111,18 @@ def grad_tolerances(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out:
     exact = grads(torch.float64, torch.float64)
     soft = torch.float64 if dtype == torch.float64 else torch.float32
     approx = grads(dtype, soft)
-    fl = DEFAULT_FLOOR.get(dtype, 1e-5) if floor is None else floor
-    bounds = [factor * max_error(a, e) + fl * max(1.0, float(e.abs().max())) for a, e in zip(approx, exact)]
+    bounds = [bound_from(a, e, dtype, factor, floor) for a, e in zip(approx, exact)]
     return exact, bounds
+
+
+def bound_from(same_dtype: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, factor: float = DEFAULT_FACTOR,
+               floor: Optional[float] = None) -> float:
+    """The rule for any result (gradients, model logits, table gradients): `factor` times the
+    error of the same computation done naively in `dtype` (`same_dtype`, against `exact`), plus
+    the dtype's floor relative to max(1, max|exact|)."""
+    fl = DEFAULT_FLOOR.get(dtype, 1e-5) if floor is None else floor
+    scale = max(1.0, float(exact.abs().max())) if exact.numel() else 1.0
+    return factor * max_error(same_dtype, exact) + fl * scale
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, bound: float, what: str = "result") -> None:

@@ -22,6 +22,7 @@ from fused_attn.plan import NO_VARLEN, Varlen, _static_problem  # noqa: E402
 from fused_attn.spec import resolve_spec  # noqa: E402
 
 _OUTPUTS = ("o", "stats", "dQ", "dK", "dV", "dBias", "dSink")
+_WRITTEN = {"dBias": 0.375, "dSink": -1.25}
 
 
 @pytest.fixture
@@ -65,6 +66,9 @@ def stub(monkeypatch):
         for slot in _OUTPUTS:
             if slot in bind:
                 bind[slot].normal_()
+        for slot in ("dBias", "dSink"):  # known values, so a test can see they reach the caller
+            if slot in bind:
+                bind[slot].fill_(_WRITTEN[slot])
         executed.append(tuple(sorted(compiled.slots)))
 
     monkeypatch.setattr(common, "build", fake_build)
@@ -145,6 +149,35 @@ def test_trained_bias_view_gets_dbias(stub, shape):
     extras = runner.grad_inputs(mod, None)
     assert len(extras) == 1 and extras[0].shape == shape
     full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [shape])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sink_and_bias_grads_are_read_after_the_run(stub, packed):
+    """bf16 sinks / fp32 bias tables are cast from the fp32 / bf16 buffers the graph writes: the
+    cast must see what the graph wrote, not the buffer as allocated."""
+    sinks = torch.randn(2).to(torch.bfloat16)
+    if packed:
+        q, k, v = (bf16(256, 2, 64) for _ in range(3))
+        cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+        varlen = Varlen(cu, cu, None, None, 156, 156)
+        runner, mod = runner_for(q, k, v, varlen, sinks=sinks, backend="cudnn", qkv_format="thd",
+                                 softmax_type="learnable")
+        out, _, saved, state = runner.forward(q, k, v, varlen, mod, sinks)
+        grads = runner.backward(state, saved, torch.randn(out.shape).to(out.dtype))
+        assert grads[-1].dtype == torch.bfloat16
+        torch.testing.assert_close(grads[-1].float(), torch.full((2,), _WRITTEN["dSink"]))
+        return
+    q, k, v = (bf16(1, 128, 2, 64) for _ in range(3))
+    bias = torch.randn(1, 2, 128, 128, requires_grad=True)
+    runner, mod = runner_for(q, k, v, sinks=sinks, backend="cudnn", score_mod=sm.post_scale_bias(bias),
+                             softmax_type="learnable")
+    assert runner.bias_cast == torch.bfloat16
+    out, _, saved, state = runner.forward(q, k, v, NO_VARLEN, mod, sinks)
+    grads = runner.backward(state, saved, torch.randn(out.shape).to(out.dtype))
+    d_bias, d_sink = grads[3], grads[4]
+    assert d_bias.dtype == torch.float32 and d_sink.dtype == torch.bfloat16
+    torch.testing.assert_close(d_bias, torch.full(bias.shape, _WRITTEN["dBias"]))
+    torch.testing.assert_close(d_sink.float(), torch.full((2,), _WRITTEN["dSink"]))
 
 
 def test_trained_table_goes_through_a_materialized_bias(stub):

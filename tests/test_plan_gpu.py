@@ -293,12 +293,13 @@ def test_no_nan_dq_at_key_lengths_64_mod_128(skv, sq_equal, form):
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
 def test_dropout_on_cudnn_is_reproducible_and_unbiased(fmt):
     s, h, d, p = 128, 2, 64, 0.25
-    if fmt == "thd":
-        cu = torch.tensor([0, 60, 128], dtype=torch.int32, device="cuda")
-        kw = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=68, max_seqlen_kv=68)
+    if fmt == "thd":  # two sequences of 60 and 64 tokens: a one-hot V row per key of a sequence
+        s = 124
+        cu = torch.tensor([0, 60, 124], dtype=torch.int32, device="cuda")
+        kw = dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=64, max_seqlen_kv=64)
         shape = (s, h, d)
         eye = torch.eye(64, device="cuda", dtype=DT)
-        eye_v = torch.cat([eye[:60], eye[:68]]).view(s, 1, 64).expand(s, h, 64).contiguous()
+        eye_v = torch.cat([eye[:60], eye]).view(s, 1, 64).expand(s, h, 64).contiguous()
     else:
         kw = {}
         shape = (1, s, h, d)
@@ -320,5 +321,5 @@ def test_dropout_on_cudnn_is_reproducible_and_unbiased(fmt):
     assert (mean - plain).abs().mean() < 0.1 * plain.abs().mean()
     if eye_v is not None:
         w = fused_attn.dot_product_attention(q.detach(), k.detach(), eye_v, dropout_p=p, backend="cudnn", **kw)
-        nonzero = (w != 0).float().sum() / (60 * 60 + 68 * 68) / h
+        nonzero = (w != 0).float().sum() / (60 * 60 + 64 * 64) / h
         assert abs(nonzero.item() - (1 - p)) < 0.05

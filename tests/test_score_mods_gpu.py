@@ -182,8 +182,7 @@ def test_learned_tables_train_on_cudnn(name):
     same_dtype = table_grads("reference", dtype, torch.float32)
     got = table_grads("cudnn", dtype, torch.float32)
     for n, e, s, g in zip(trained, exact, same_dtype, got):
-        bound = testing.DEFAULT_FACTOR * testing.max_error(s, e) + \
-            testing.DEFAULT_FLOOR[dtype] * max(1.0, float(e.abs().max()))
+        bound = testing.bound_from(s, e, dtype)
         testing.assert_close(g.float(), e.float(), bound, what=f"{name} d{n}")
 
 

@@ -470,6 +470,40 @@ def test_gathers_at_constant_indices_are_materialized_not_folded():
 
     mod = const_index(table=torch.tensor([1.5, -2.0, 3.0]))
     summary = mod.plan.summary()
-    assert sorted(summary["single"].values()) == ["(table[0] * 0.5)", "table[k]"] and not summary["scalar"]
+    assert sorted(summary["single"].values()) == ["(table[0] * 0.5)", "table[k]"]
+    # the one scalar is the -inf of the masked-score guard: score * table[k] turns a masked -inf
+    # into +inf (or NaN) when table[k] <= 0, so masked scores are kept masked explicitly
+    assert summary["scalar"] == ["c0"] and "select" in summary["in_graph"]
     assert mod.cudnn_operands((1, 1, 3, 3), device="cpu")["mat0@s"].shape == (1, 1, 1, 1)
     check_lowering(mod, 1, 1, 3, 3)
+
+
+@pytest.mark.parametrize("name", list(zoo()))
+def test_masked_scores_give_no_nan_forward_or_backward(name):
+    """cuDNN runs the mod and its derivative also where the score is already -inf (masked, past
+    the keys of a partial tile) with dS = 0 there. The lowered forward must leave those positions
+    -inf or finite and the backward must give 0, whatever eager gives at -inf (s % c, gelu(s),
+    |s| ** p are NaN there), and finite positions keep their values."""
+    mod, _ = zoo(dtype=torch.float32)[name]
+    g, out, dout, ops, _ = _lower(mod, ZS, ZS, 1, ZH)
+    score = torch.randn(1, ZH, ZS, ZS) * 2.0
+    masked = torch.rand(1, ZH, ZS, ZS, generator=torch.Generator().manual_seed(3)) < 0.3
+    ds = torch.where(masked, torch.zeros_like(score), torch.randn(1, ZH, ZS, ZS))
+    plain = interpret(out, {"score": score, "dS": ds, **ops}).expand_as(score)
+    plain_d = interpret(dout, {"score": score, "dS": ds, **ops}).expand_as(score)
+    leaves = {"score": score.masked_fill(masked, float("-inf")), "dS": ds, **ops}
+    got = interpret(out, leaves).expand_as(score)
+    got_d = interpret(dout, leaves).expand_as(score)
+    assert not torch.isnan(got).any() and not (got == float("inf")).any(), f"{name}: forward NaN/+inf at a masked score"
+    assert torch.equal(got[~masked], plain[~masked])
+    assert torch.equal(got_d[masked], torch.zeros_like(got_d[masked])), f"{name}: backward non-zero at a masked score"
+    assert torch.equal(got_d[~masked], plain_d[~masked])
+
+
+def test_the_masked_score_guard_is_added_only_where_needed():
+    z = zoo(dtype=torch.float32)
+    for name in ("quantized", "gelu_activation", "power_mod"):
+        root = z[name][0].root
+        assert lower_cudnn._masked_stays_masked(root) is not root, name
+    for mod in (sm.softcap(20.0), z["t5_bias"][0], z["bias_under_mask"][0], z["natten"][0]):
+        assert lower_cudnn._masked_stays_masked(mod.root) is mod.root, mod

@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 import fused_attn.integrations.transformers as fa_hf  # noqa: E402
 from fused_attn.bench.models import FAMILIES, build_model, model_config  # noqa: E402
-from fused_attn.testing import DEFAULT_FACTOR, DEFAULT_FLOOR, max_error, reference_attention  # noqa: E402
+from fused_attn.testing import DEFAULT_FLOOR, bound_from, max_error, reference_attention  # noqa: E402
 
 FA = "fused_attn"
 #: Absolute floors of the model-level rule, scaled by max(1, max|exact|).
@@ -163,10 +163,9 @@ def assert_model_close(got, exact, base, dtype: torch.dtype, valid: torch.Tensor
     (g_logits, g_grads), (e_logits, e_grads) = got, exact
 
     def bound(e, b):
-        scale = max(1.0, float(e.abs().max())) if e.numel() else 1.0
-        if dtype == torch.float64:
-            return 1e-7 * scale  # some modules compute in float32 even in float64 models (Gemma's RMSNorm)
-        return DEFAULT_FACTOR * max_error(b, e) + FLOOR[dtype] * scale
+        if dtype == torch.float64:  # some modules compute in float32 even in float64 models (Gemma's RMSNorm)
+            return 1e-7 * (max(1.0, float(e.abs().max())) if e.numel() else 1.0)
+        return bound_from(b, e, dtype, floor=FLOOR[dtype])
 
     e, g = e_logits[valid], g_logits[valid]
     b = None if base is None else base[0][valid]

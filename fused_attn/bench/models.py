@@ -159,13 +159,13 @@ class MarkovTokens:
 def check_logits(model, impls: Sequence[str], batch: Dict[str, object], family: str) -> Dict[str, Tuple[str, bool]]:
     """Per impl: (text, ok) comparing its logits (model's dtype) with eager on an fp32 copy,
     bound = 2 x |eager in the model's dtype - exact| + 4e-3 x max(1, max|exact|) on real tokens."""
-    from fused_attn.testing import DEFAULT_FACTOR, max_error
+    from fused_attn.testing import bound_from, max_error
 
     exact_model = copy.deepcopy(model).float()
     exact = _logits(exact_model, "eager", batch)
     del exact_model
     base = _logits(model, "eager", batch)
-    bound = DEFAULT_FACTOR * max_error(base, exact) + 4e-3 * max(1.0, float(exact.abs().max()))
+    bound = bound_from(base, exact, base.dtype, floor=4e-3)
     out: Dict[str, Tuple[str, bool]] = {}
     for impl in impls:
         try:

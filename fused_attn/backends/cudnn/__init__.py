@@ -34,6 +34,8 @@ def refusal(problem: Any) -> Optional[str]:
             return f"the cuDNN backend needs a {name} head dim that is a multiple of 8 and <= {_MAX_HEAD_DIM}, got {dim}"
     if problem.seqlen_kv == 0 or problem.seqlen_q == 0:
         return "cuDNN graphs need at least one query and one key position (Sq or Skv is 0)"
+    if problem.needs_grad and problem.seqlen_q == 1 and problem.seqlen_kv == 1 and not problem.is_packed:
+        return "cuDNN's backward does not support s_q = s_kv = 1 (measured on cuDNN 9.19)"
     band = spec.band
     if (band is not None and band.bottom_right and spec.padding and problem.seqlen_q > problem.seqlen_kv):
         return (f"cuDNN's bottom-right band needs Sq <= Skv with padded batches, got Sq={problem.seqlen_q} > "
@@ -94,7 +96,7 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
 
 
 def _tensor_axes(mod: Any) -> dict:
-    """{tensor parameter name: the index axes it is read at} of a traced mod ({} otherwise)."""
+    """{tensor parameter name: the index axes its reads depend on} of a traced mod ({} otherwise)."""
     root = getattr(mod, "root", None)
     if root is None:
         return {}
@@ -102,8 +104,8 @@ def _tensor_axes(mod: Any) -> dict:
 
     out: dict = {}
     for n in expr.topo_order(root):
-        if n.op == "tparam":
-            out.setdefault(n.attr[0], set()).update(a for a in n.attr[1] if isinstance(a, str))
+        if n.op == "gather":
+            out.setdefault(n.attr, set()).update(expr.reads(n).axes)
     return out
 
 

@@ -294,18 +294,19 @@ class DenseRunner:
         bind = {n: t for n, t in bind_fwd.items() if n not in ("o", "stats")}
         bind.update(o=out, dO=d_o, stats=stats, dQ=grads[0], dK=grads[1], dV=grads[2])
         extra_grads = []
+        d_bias = None
         if has_bias:
             bias = extra.pop(0)
             if self.bias_grad:
                 d_bias = bind["dBias"] = torch.empty(bias.shape, dtype=self.bias_cast or bias.dtype, device=bias.device)
-                extra_grads.append(d_bias if self.bias_cast is None else d_bias.to(bias.dtype))
-            else:
-                extra_grads.append(None)
-        if self.sinks is not None:  # the graph writes dSink (off-by-one: into a scratch buffer)
+        d_sink = None
+        if self.sinks is not None:  # the graph always writes dSink, also when no sink needs it
             d_sink = bind["dSink"] = torch.empty((1, self.dims[0][1], 1, 1), dtype=torch.float32, device=q.device)
-            if has_sinks:
-                extra_grads.append(d_sink.view(-1).to(extra.pop(0).dtype))
         self.graphs.run("bwd", bind)
+        if has_bias:  # casts only after the run: a cast taken before it would copy an unwritten buffer
+            extra_grads.append(None if d_bias is None else d_bias.to(bias.dtype))
+        if has_sinks:
+            extra_grads.append(d_sink.view(-1).to(extra.pop(0).dtype))
         if self.padding and self.has_mod:
             seq_q, seq_kv = seqs
             for g, lens in zip(grads, (seq_q, seq_kv, seq_kv)):

@@ -134,10 +134,10 @@ class ThdRunner:
         grads = [alloc(tuple(t.shape), dtype=t.dtype, device=t.device) for t in (q, k, v)]
         bind = {n: t for n, t in bind_fwd.items() if n not in ("o", "stats")}
         bind.update(o=out, dO=d_o, stats=stats, dQ=grads[0], dK=grads[1], dV=grads[2])
-        extra = []
-        if self.sinks is not None:  # the graph writes dSink (off-by-one: into a scratch buffer)
+        d_sink = None
+        if self.sinks is not None:  # the graph always writes dSink, also when no sink needs it
             d_sink = bind["dSink"] = torch.empty((1, self.heads, 1, 1), dtype=torch.float32, device=q.device)
-            if has_sinks:
-                extra.append(d_sink.view(-1).to(saved[5].dtype))
         self.graphs.run("bwd", bind)
-        return tuple(grads) + tuple(extra)
+        # cast only after the run: a cast taken before it would copy the unwritten buffer
+        extra = (d_sink.view(-1).to(saved[5].dtype),) if has_sinks else ()
+        return tuple(grads) + extra
