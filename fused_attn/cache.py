@@ -119,6 +119,14 @@ class CacheInfo(NamedTuple):
     size: int
     maxsize: int
     thd_builds: int
+    loads: int = 0
+
+
+class Loaded(NamedTuple):
+    """What a builder returns for a value it loaded (from the persistent store) instead of building:
+    counted in CacheInfo.loads, not builds."""
+
+    value: Any
 
 
 class GraphCache:
@@ -135,8 +143,19 @@ class GraphCache:
         self._entries: "OrderedDict[Hashable, Any]" = OrderedDict()
         self._inflight: Dict[Hashable, Future] = {}
         self._lock = threading.Lock()
-        self._hits = self._misses = self._evictions = self._builds = self._thd_builds = 0
+        self._hits = self._misses = self._evictions = self._builds = self._thd_builds = self._loads = 0
         self._build_seconds = 0.0
+        self._store: Any = None
+
+    @property
+    def store(self) -> Any:
+        """The persistent GraphStore consulted on a miss, or None."""
+        return self._store
+
+    def set_store(self, store: Any) -> None:
+        """Consult `store` (a GraphStore, or None for none) on later misses."""
+        with self._lock:
+            self._store = store
 
     @staticmethod
     def _check_maxsize(maxsize: int) -> None:
@@ -168,13 +187,19 @@ class GraphCache:
             future.set_exception(exc)
             raise
         elapsed = time.perf_counter() - start
+        loaded = isinstance(value, Loaded)
+        if loaded:
+            value = value.value
         evicted = []
         with self._lock:
             del self._inflight[key]
-            self._builds += 1
-            self._build_seconds += elapsed
-            if getattr(key, "ragged", False):
-                self._thd_builds += 1
+            if loaded:
+                self._loads += 1
+            else:
+                self._builds += 1
+                self._build_seconds += elapsed
+                if getattr(key, "ragged", False):
+                    self._thd_builds += 1
             self._entries[key] = value
             evicted = self._shrink_locked()
         future.set_result(value)
@@ -201,7 +226,7 @@ class GraphCache:
     def info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(self._hits, self._misses, self._evictions, self._builds,
-                             self._build_seconds, len(self._entries), self._maxsize, self._thd_builds)
+                             self._build_seconds, len(self._entries), self._maxsize, self._thd_builds, self._loads)
 
     def set_maxsize(self, maxsize: int) -> None:
         """Change the bound; shrinking evicts the least recently used entries now."""
@@ -219,7 +244,7 @@ class GraphCache:
             entries = self._entries
             self._entries = OrderedDict()
             if reset_stats:
-                self._hits = self._misses = self._evictions = self._builds = self._thd_builds = 0
+                self._hits = self._misses = self._evictions = self._builds = self._thd_builds = self._loads = 0
                 self._build_seconds = 0.0
         entries.clear()
         del entries

@@ -13,13 +13,16 @@ The cache is per process; entries of every device share it (the device index is 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+import os
+from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 
 from .cache import GRAPH_CACHE, CacheInfo
+from .graph_store import GraphStore, StoreInfo
 
-__all__ = ["cache_info", "clear", "set_maxsize", "warmup", "CacheInfo"]
+__all__ = ["cache_info", "clear", "set_maxsize", "set_persistent_dir", "persistent_info", "warmup", "CacheInfo",
+           "StoreInfo"]
 
 
 def cache_info() -> CacheInfo:
@@ -37,11 +40,70 @@ def set_maxsize(maxsize: int) -> None:
     GRAPH_CACHE.set_maxsize(maxsize)
 
 
+def set_persistent_dir(directory: Optional[Union[str, "os.PathLike[str]"]], max_bytes: Optional[int] = None) -> None:
+    """Keep built graphs in `directory` across processes (None: stop using one).
+
+    On a miss the cache first looks in the directory: a graph stored there by an earlier process
+    (or another rank) under the same key and environment (cuDNN library and frontend versions,
+    torch version, GPU architecture) is loaded instead of built (CacheInfo.loads counts these);
+    otherwise the graph is built and written there. Files are written atomically, so ranks of
+    one job may share the directory; a corrupt, truncated or mismatched file is skipped with one
+    GraphStoreWarning and rebuilt. max_bytes bounds the directory's size (least recently used
+    files are removed); None leaves it unbounded. Graphs already in memory are unaffected.
+    """
+    if directory is None:
+        if max_bytes is not None:
+            raise ValueError(f"set_persistent_dir: max_bytes={max_bytes!r} given without a directory")
+        GRAPH_CACHE.set_store(None)
+        return
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"set_persistent_dir: directory must be a str, os.PathLike or None, got "
+                        f"{type(directory).__name__}")
+    GRAPH_CACHE.set_store(GraphStore(directory, max_bytes=max_bytes))
+
+
+def persistent_info() -> Optional[StoreInfo]:
+    """The persistent directory's counters (loads, load_misses, saves, skipped files, ...), or None
+    when no directory is set."""
+    store = GRAPH_CACHE.store
+    return None if store is None else store.stats()
+
+
 _REQUIRED = ("batch", "seqlen_q", "num_heads", "head_dim", "dtype")
 _KNOWN = set(_REQUIRED) | {
     "seqlen_kv", "num_kv_heads", "head_dim_v", "qkv_format", "attn_mask_type", "window_size",
     "score_mod", "device", "max_seqlen", "softmax_scale", "deterministic",
 }
+
+
+_SIZES = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "max_seqlen")
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_config(cfg: Any, i: int) -> None:
+    """TypeError / ValueError naming config `i`, the key, the value and what is accepted."""
+    if not isinstance(cfg, dict):
+        raise TypeError(f"warmup configs[{i}] must be a dict, got {type(cfg).__name__}")
+    missing = [k for k in _REQUIRED if k not in cfg]
+    unknown = sorted(set(cfg) - _KNOWN)
+    if missing or unknown:
+        raise ValueError(f"warmup configs[{i}]: missing keys {missing}, unknown keys {unknown}; "
+                         f"accepted keys: {sorted(_KNOWN)}")
+    for name in _SIZES:
+        if name in cfg:
+            value = cfg[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"warmup configs[{i}][{name!r}] must be an int >= 1, got {value!r}")
+    if cfg["dtype"] not in _DTYPES:
+        raise ValueError(f"warmup configs[{i}]['dtype'] must be torch.bfloat16 or torch.float16 (the dtypes cuDNN "
+                         f"graphs run), got {cfg['dtype']!r}")
+    try:
+        device = torch.device(cfg.get("device", "cuda"))
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"warmup configs[{i}]['device'] is not a device: {cfg.get('device')!r} ({exc})") from None
+    if device.type != "cuda":
+        raise ValueError(f"warmup configs[{i}]['device'] must be a CUDA device (graphs are built for cuDNN), "
+                         f"got {str(device)!r}")
 
 
 def _inputs(cfg: Dict[str, Any], requires_grad: bool):
@@ -94,9 +156,14 @@ def warmup(configs: Iterable[Dict[str, Any]], backward: bool = True) -> CacheInf
     """
     from .functional import dot_product_attention
 
+    if isinstance(configs, (dict, str, bytes)) or not isinstance(configs, Iterable):
+        raise TypeError(f"warmup: configs must be a list (or other iterable) of dicts, got {type(configs).__name__}")
+    if not isinstance(backward, bool):
+        raise TypeError(f"warmup: backward must be a bool, got {backward!r}")
+    configs = list(configs)
+    for i, cfg in enumerate(configs):  # every config is checked before any graph is built
+        _check_config(cfg, i)
     for cfg in configs:
-        if not isinstance(cfg, dict):
-            raise TypeError(f"warmup configs must be dicts, got {type(cfg).__name__}")
         q, k, v, extra = _inputs(cfg, backward)
         kwargs: Dict[str, Any] = dict(qkv_format=cfg.get("qkv_format", "bshd"), backend="cudnn", **extra)
         for name in ("attn_mask_type", "window_size", "score_mod", "softmax_scale", "deterministic"):

@@ -110,7 +110,19 @@ class RawCallbackMod(ScoreMod):
                 f"raw cuDNN score_mod {self.name!r} has no eager reference; pass reference=fn(score, b, h, q_idx, kv_idx) "
                 "to raw_callback / as_score_mod to use the reference backend or numerical checks"
             )
-        return self.reference(score, b, h, q_idx, kv_idx)
+        out = self.reference(score, b, h, q_idx, kv_idx)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"raw cuDNN score_mod {self.name!r}: reference= must return a torch.Tensor, got "
+                            f"{type(out).__name__}")
+        try:
+            shape = torch.broadcast_shapes(out.shape, score.shape)
+        except RuntimeError:
+            shape = None
+        if shape != tuple(score.shape) or not out.is_floating_point():
+            raise ValueError(f"raw cuDNN score_mod {self.name!r}: reference= must return floating scores "
+                             f"broadcastable to the score's shape {tuple(score.shape)}, got {out.dtype} of shape "
+                             f"{tuple(out.shape)}")
+        return out
 
     def lower_forward(self, graph, score, operands, memo):
         return self.fn(graph, score, {k: operands[f"fwd_{k}"] for k in self.fwd_tensors})

@@ -7,6 +7,7 @@ import time
 import weakref
 
 import pytest
+import torch
 
 from fused_attn.cache import CacheInfo, GraphCache, GraphKey
 
@@ -234,3 +235,28 @@ def test_public_module_api():
         graph_cache._inputs({"batch": 1}, False)
     with pytest.raises(ValueError, match="unknown keys \\['bogus'\\]"):
         graph_cache._inputs(dict(batch=1, seqlen_q=8, num_heads=1, head_dim=8, dtype=None, bogus=1), False)
+
+
+_GOOD = dict(batch=1, seqlen_q=16, num_heads=2, head_dim=64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("configs, backward, exc, match", [
+    (dict(_GOOD), True, TypeError, "configs must be a list .* of dicts, got dict"),
+    (["x"], True, TypeError, r"configs\[0\] must be a dict, got str"),
+    ([_GOOD], "yes", TypeError, "backward must be a bool, got 'yes'"),
+    ([{**_GOOD, "batch": -1}], True, ValueError, r"configs\[0\]\['batch'\] must be an int >= 1, got -1"),
+    ([_GOOD, {**_GOOD, "head_dim": 2.5}], True, ValueError, r"configs\[1\]\['head_dim'\] must be an int >= 1, got 2.5"),
+    ([{**_GOOD, "num_heads": True}], True, ValueError, r"\['num_heads'\] must be an int >= 1, got True"),
+    ([{**_GOOD, "dtype": torch.int32}], True, ValueError, r"\['dtype'\] must be torch.bfloat16 or torch.float16"),
+    ([{**_GOOD, "device": "nope"}], True, ValueError, r"\['device'\] is not a device: 'nope'"),
+    ([{**_GOOD, "device": "cpu"}], True, ValueError, r"\['device'\] must be a CUDA device"),
+    ([{k: v for k, v in _GOOD.items() if k != "batch"}], True, ValueError, r"missing keys \['batch'\]"),
+    ([{**_GOOD, "colour": 1}], True, ValueError, r"unknown keys \['colour'\]"),
+])
+def test_warmup_validates_before_building(configs, backward, exc, match):
+    from fused_attn import graph_cache
+
+    before = graph_cache.cache_info()
+    with pytest.raises(exc, match=match):
+        graph_cache.warmup(configs, backward=backward)
+    assert graph_cache.cache_info().builds == before.builds

@@ -323,3 +323,29 @@ def test_dropout_on_cudnn_is_reproducible_and_unbiased(fmt):
         w = fused_attn.dot_product_attention(q.detach(), k.detach(), eye_v, dropout_p=p, backend="cudnn", **kw)
         nonzero = (w != 0).float().sum() / (60 * 60 + 64 * 64) / h
         assert abs(nonzero.item() - (1 - p)) < 0.05
+
+
+def test_persistent_cache_warm_start_in_a_fresh_process(tmp_path):
+    """A process stores its graphs; a second process loads every one (0 builds) and its results
+    still match the float64 reference (checked in the child), forward and backward, for a band,
+    a score_mod and a packed (thd) configuration."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    child = os.path.join(os.path.dirname(__file__), "_persistent_child.py")
+
+    def spawn(mode):
+        done = subprocess.run([sys.executable, child, str(tmp_path), mode], capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ))
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    stored = spawn("store")
+    assert stored["builds"] == 6 and stored["loads"] == 0 and stored["store"]["saves"] == 6
+    loaded = spawn("load")
+    assert loaded["builds"] == 0 and loaded["loads"] == 6, loaded
+    assert loaded["store"]["skipped_corrupt"] == 0 and loaded["store"]["skipped_mismatch"] == 0
+    print("persistent cache first call ms (build -> load):",
+          {n: (round(stored["first_call_ms"][n], 1), round(ms, 1)) for n, ms in loaded["first_call_ms"].items()})

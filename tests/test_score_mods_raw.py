@@ -109,3 +109,21 @@ def test_as_score_mod():
         sm.as_score_mod(None, bprop=scale_bprop)
     with pytest.raises(TypeError, match="score_mod must be a ScoreMod"):
         sm.as_score_mod(3.0)
+
+
+@pytest.mark.parametrize("reference, exc, match", [
+    (lambda s, b, h, q, k: s[..., :1, :2], ValueError, r"broadcastable to the score's shape \(1, 2, 8, 8\), got .* \(1, 2, 1, 2\)"),
+    (lambda s, b, h, q, k: s.sum(-1), ValueError, r"got .* of shape \(1, 2, 8\)"),
+    (lambda s, b, h, q, k: (s > 0), ValueError, "must return floating scores"),
+    (lambda s, b, h, q, k: 0.5, TypeError, "reference= must return a torch.Tensor, got float"),
+])
+def test_raw_reference_of_the_wrong_shape_is_named(reference, exc, match):
+    import fused_attn
+
+    def fprop(graph, score, tensors):
+        return score
+
+    mod = sm.raw_callback(fprop, reference=reference)
+    q = k = v = torch.randn(1, 8, 2, 16)
+    with pytest.raises(exc, match=match):
+        fused_attn.dot_product_attention(q, k, v, score_mod=mod, backend="reference")

@@ -169,6 +169,40 @@ def _build_rows(device) -> List[Dict[str, object]]:
         rows.append({"impl": "fused_attn " + label, "config": "x".join(map(str, shape)) + " (BSHD)",
                      "first_call_ms": ms, "cached_call_ms": hit_ms, "builds": after.builds - before.builds,
                      "build_seconds": after.build_seconds - before.build_seconds})
+    if device.type == "cuda":
+        rows.extend(_persistent_rows(device, gen))
+    return rows
+
+
+def _persistent_rows(device, gen) -> List[Dict[str, object]]:
+    """First fwd+bwd call of a new shape with a persistent directory: built and stored, then
+    loaded after graph_cache.clear() (what a restarted process finds; a new process also pays
+    its own handle creation, see tests/test_plan_gpu.py::test_persistent_cache_*)."""
+    import tempfile
+
+    import fused_attn
+
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        fused_attn.graph_cache.set_persistent_dir(directory)
+        try:
+            for label in ("built and stored", "loaded from the directory"):
+                fused_attn.graph_cache.clear()
+                shape = (1, 640, 2, 64)
+                q, k, v = [_rand(shape, device, gen).requires_grad_(True) for _ in range(3)]
+
+                def call():
+                    out = fused_attn.dot_product_attention(q, k, v, qkv_format="bshd", backend="cudnn")
+                    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+                ms = _time_first_call(call, device)
+                info = fused_attn.graph_cache.cache_info()
+                rows.append({"impl": f"fused_attn first fwd+bwd call, persistent dir: {label}",
+                             "config": "x".join(map(str, shape)) + " (BSHD)", "first_call_ms": ms,
+                             "builds": info.builds, "loads": info.loads, "build_seconds": info.build_seconds})
+        finally:
+            fused_attn.graph_cache.set_persistent_dir(None)
+            fused_attn.graph_cache.clear()
     return rows
 
 

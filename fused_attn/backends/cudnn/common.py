@@ -7,8 +7,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ...cache import GRAPH_CACHE, GraphKey
-from . import runtime
+from ...cache import GRAPH_CACHE, GraphKey, Loaded
+from . import persist, runtime
 from .graphs import CompiledGraph, build
 
 __all__ = ["Graphs", "operand_description", "check_runtime_tensors", "grad_output", "sinks_view", "dropout_rng",
@@ -38,9 +38,14 @@ class Graphs:
     def _builder(self, direction: str, key: GraphKey) -> Callable[[], CompiledGraph]:
         mod, templates = self.parts[direction]
 
-        def make() -> CompiledGraph:
+        def make() -> Any:
             with torch.cuda.device(key.device_index):
-                return build(key, mod, templates, runtime.handle_for(key.device_index))
+                handle = runtime.handle_for(key.device_index)
+                store = GRAPH_CACHE.store
+                if store is None:
+                    return build(key, mod, templates, handle)
+                compiled, loaded = persist.load_or_build(store, key, lambda: build(key, mod, templates, handle), handle)
+                return Loaded(compiled) if loaded else compiled
 
         return make
 
