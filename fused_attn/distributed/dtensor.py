@@ -22,7 +22,6 @@ score_mod tensors / sinks / cu_seqlens placed inconsistently.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -133,10 +132,16 @@ def _placed(t: torch.Tensor, mesh: Any, want: Sequence[Any], name: str) -> DTens
     return DTensor.from_local(t, mesh, list(want), run_check=False)
 
 
-def _mod_tensors(spec: Any, mod: Any, mesh: Any, kinds: tuple) -> list:
-    if mod is None:
-        return []
-    axes = S.tensor_axes(mod) or {}
+@torch.compiler.assume_constant_result
+def _param_axes(op_key: str) -> tuple:
+    """((tensor parameter name, its index axes), ...) of a registered spec's score_mod (a
+    constant under torch.compile)."""
+    axes = S.tensor_axes(_ops.lookup_spec(op_key).score_mod) or {}
+    return tuple(axes.items())
+
+
+def _mod_tensors(op_key: str, mod: Any, mesh: Any, kinds: tuple) -> list:
+    axes = dict(_param_axes(op_key))
     out = []
     for name, t in mod.tensors().items():
         want = [S._param_placement(k, axes.get(name), tuple(t.shape)) for k in kinds]
@@ -144,65 +149,121 @@ def _mod_tensors(spec: Any, mod: Any, mesh: Any, kinds: tuple) -> list:
     return out
 
 
-def run_ops(key: str, mod: Any, query: DTensor, key_t: DTensor, value: DTensor, varlen: Varlen,
-            sinks: Optional[torch.Tensor], mesh: Any, kinds: tuple):
-    """attn_fwd on DTensors with every auxiliary tensor made a DTensor of the right placement."""
-    spec = _ops.lookup_spec(key)
-    scalars = _ops._scalars(mod) if hasattr(mod, "tensors") else torch.tensor(
-        _ops._template_scalars(key), dtype=torch.float64)
-    tensors = _mod_tensors(spec, mod, mesh, kinds) if hasattr(mod, "tensors") else []
-    cu = [_replicated(t, mesh, n) for n, t in zip(Varlen._fields[:4], varlen[:4])]
-    if varlen.cu_seqlens_q is varlen.cu_seqlens_kv:
-        cu[1] = cu[0]
+def run_ops(op_key: str, mod: Any, query: DTensor, key: DTensor, value: DTensor, varlen: Varlen,
+            sinks: Optional[torch.Tensor], kinds: tuple):
+    """attn_fwd on DTensors, every auxiliary tensor made a DTensor of the placement the sharding
+    needs: the DTensor twin of `ops.attention_by_key` (traceable: the hook for the compiled path).
+    mod: the call's ScoreMod, or None / a plain function (the registered template's values)."""
+    from score_mods.base import ScoreMod
+
+    mesh = query.device_mesh
+    if isinstance(mod, ScoreMod):
+        scalars, tensors = _ops._scalars(mod), _mod_tensors(op_key, mod, mesh, kinds)
+    else:
+        scalars, tensors = torch.tensor(_ops._template_scalars(op_key), dtype=torch.float64), []
+    cu_q = _replicated(varlen.cu_seqlens_q, mesh, "cu_seqlens_q")
+    cu_kv = cu_q if varlen.cu_seqlens_kv is varlen.cu_seqlens_q else _replicated(varlen.cu_seqlens_kv, mesh,
+                                                                                    "cu_seqlens_kv")
+    cu_qp = _replicated(varlen.cu_seqlens_q_padded, mesh, "cu_seqlens_q_padded")
+    cu_kvp = _replicated(varlen.cu_seqlens_kv_padded, mesh, "cu_seqlens_kv_padded")
     d_sinks = None if sinks is None else _placed(
         sinks, mesh, [Shard(0) if k == "heads" else Replicate() for k in kinds], "sinks")
-    out, lse, _saved = _ops.attn_fwd(query, key_t, value, cu[0], cu[1], cu[2], cu[3], varlen.max_seqlen_q,
+    out, lse, _saved = _ops.attn_fwd(query, key, value, cu_q, cu_kv, cu_qp, cu_kvp, varlen.max_seqlen_q,
                                      varlen.max_seqlen_kv, d_sinks, _replicated(scalars, mesh, "score_mod values"),
-                                     tensors, key)
-    return out if not spec.return_lse else (out, lse)
+                                     tensors, op_key)
+    return out if not _ops._returns_lse(op_key) else (out, lse)
 
 
 def _heads(t: torch.Tensor, fmt: str) -> int:
     return t.shape[S.format_dims(fmt)[1]]
 
 
+@torch.compiler.assume_constant_result
+def _checked_kinds(op_key: str, placements: tuple, mesh_shape: tuple, shapes: tuple) -> tuple:
+    """The kind of each mesh dim, validated against the registered spec (a constant under
+    torch.compile; eager calls validate the same way)."""
+    spec = _ops.lookup_spec(op_key)
+    fmt = spec.qkv_format
+    kinds = []
+    for dim in range(len(mesh_shape)):
+        got = [(_kind_of(pl[dim], fmt, n, _Shape(sh)), n, pl[dim])
+               for n, pl, sh in zip(("query", "key", "value"), placements, shapes)]
+        if len({k for k, _, _ in got}) != 1:
+            desc = ", ".join(f"{n} {p}" for _, n, p in got)
+            raise ValueError(f"query, key and value must share their placement on mesh dim {dim} (qkv_format="
+                             f"{fmt!r}), got {desc}")
+        kinds.append(got[0][0])
+    _, hd, _ = S.format_dims(fmt)
+    _check_kinds(spec, _MeshShape(mesh_shape), tuple(kinds), shapes[0][hd], shapes[1][hd])
+    return tuple(kinds)
+
+
+class _Shape:
+    """What `_kind_of` reads of a tensor (its shape and rank), from a shape tuple."""
+
+    def __init__(self, shape: tuple) -> None:
+        self.shape, self.ndim = shape, len(shape)
+
+
+class _MeshShape:
+    def __init__(self, shape: tuple) -> None:
+        self.shape = shape
+
+
+def _check_meshes(query: Any, key: Any, value: Any) -> None:
+    tensors = (("query", query), ("key", key), ("value", value))
+    plain = [n for n, t in tensors if not is_dtensor(t)]
+    if plain:
+        dts = [n for n, t in tensors if is_dtensor(t)]
+        raise TypeError(f"{' and '.join(plain)} {'is a plain torch.Tensor' if len(plain) == 1 else 'are plain tensors'} "
+                        f"but {' and '.join(dts)} {'is a DTensor' if len(dts) == 1 else 'are DTensors'}: pass all three "
+                        "as DTensors on one mesh (or all as plain tensors)")
+    for name, t in tensors[1:]:
+        if t.device_mesh != query.device_mesh:
+            raise ValueError(f"query and {name} are on different device meshes ({query.device_mesh} vs "
+                             f"{t.device_mesh}); attention needs one mesh")
+
+
 def dtensor_call(resolver: Any, config: tuple, score_mod: Any, query: DTensor, key: DTensor, value: DTensor,
                  varlen: Varlen, sinks: Optional[torch.Tensor]):
-    """The DTensor twin of `functional.run_call`: the hook the core entry points can call."""
-    spec, mod = resolver(config, score_mod)
-    mesh, kinds = input_kinds(query, key, value, spec.qkv_format)
-    _check_kinds(spec, mesh, kinds, _heads(query, spec.qkv_format), _heads(key, spec.qkv_format))
-    if spec.is_packed and (varlen.max_seqlen_q is None or varlen.max_seqlen_kv is None):
-        raise ValueError("DTensor thd calls need max_seqlen_q and max_seqlen_kv (deriving them reads cu_seqlens on "
-                         "the host)")
+    """The DTensor twin of `functional.run_call` (eager and under torch.compile): the hook the
+    core entry points can call when they receive DTensors."""
+    _check_meshes(query, key, value)
     op_key = _ops.compiled_key(resolver, config, score_mod, query.device.type, query.dtype, query.shape[-1],
                                value.shape[-1])
-    return run_ops(op_key, mod, query, key, value, varlen, sinks, mesh, kinds)
+    kinds = _checked_kinds(op_key, tuple(tuple(t.placements) for t in (query, key, value)),
+                           tuple(query.device_mesh.shape), tuple(tuple(t.shape) for t in (query, key, value)))
+    if varlen.cu_seqlens_q is not None and (varlen.max_seqlen_q is None or varlen.max_seqlen_kv is None):
+        raise ValueError("DTensor thd calls need max_seqlen_q and max_seqlen_kv (deriving them reads cu_seqlens on "
+                         "the host)")
+    mod = score_mod if torch.compiler.is_compiling() else resolver(config, score_mod)[1]
+    return run_ops(op_key, mod, query, key, value, varlen, sinks, kinds)
 
 
-_DPA_SIG = inspect.signature(F.dot_product_attention)
-_VARLEN_NAMES = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
-                 "max_seqlen_kv")
-
-
-def dot_product_attention(query: Any, key: Any, value: Any, **kwargs: Any):
-    """`fused_attn.dot_product_attention` accepting DTensors sharded by batch and / or heads.
+def dot_product_attention(query: Any, key: Any, value: Any, *, qkv_format: str = "bshd",
+                          attn_mask_type: str = "no_mask", window_size: Optional[Tuple[int, int]] = None,
+                          softmax_scale: Optional[float] = None, score_mod: Any = None,
+                          score_mod_tensors: Optional[dict] = None, score_mod_bprop: Any = None,
+                          score_mod_bprop_tensors: Optional[dict] = None, cu_seqlens_q: Optional[torch.Tensor] = None,
+                          cu_seqlens_kv: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                          max_seqlen_kv: Optional[int] = None, cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+                          cu_seqlens_kv_padded: Optional[torch.Tensor] = None, return_lse: bool = False,
+                          backend: str = "auto", deterministic: bool = False, softmax_type: str = "vanilla",
+                          sinks: Optional[torch.Tensor] = None, dropout_p: float = 0.0):
+    """`fused_attn.dot_product_attention` accepting DTensors sharded by batch and / or heads
+    (same arguments).
 
     Returns a DTensor placed like the query (lse with return_lse=True: (B, H, Sq) sharded on
     dim 0 / 1, or (H, T) on dim 0 for thd). Differentiable; the backward runs ``attn_bwd`` on
-    the shards. Plain tensors: the core function."""
+    the shards. Works eagerly and under torch.compile(fullgraph=True). Plain tensors: the core."""
+    config = (qkv_format, attn_mask_type, window_size, softmax_scale, score_mod_tensors, score_mod_bprop,
+              score_mod_bprop_tensors, return_lse, backend, deterministic, softmax_type, dropout_p)
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
+                    max_seqlen_kv)
     if not any(is_dtensor(t) for t in (query, key, value)):
-        return F.dot_product_attention(query, key, value, **kwargs)
-    from ..module import _CONFIG_ORDER
-
-    bound = _DPA_SIG.bind(query, key, value, **kwargs)
-    bound.apply_defaults()
-    args = bound.arguments
-    config = tuple(args[n] for n in _CONFIG_ORDER)
-    varlen = NO_VARLEN
-    if any(args[n] is not None for n in _VARLEN_NAMES):
-        varlen = Varlen(*(args[n] for n in _VARLEN_NAMES))
-    return dtensor_call(F._resolve_call, config, args["score_mod"], query, key, value, varlen, args["sinks"])
+        return F.run_call(F._resolve_call, config, score_mod, query, key, value,
+                          NO_VARLEN if varlen == NO_VARLEN else varlen, sinks)
+    return dtensor_call(F._resolve_call, config, score_mod, query, key, value, varlen, sinks)
 
 
 def varlen_attn(query: Any, key: Any, value: Any, cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, max_q: int,
