@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import functional as F
 from .. import ops as _ops
@@ -104,7 +105,10 @@ def _check_kinds(spec: Any, mesh: Any, kinds: tuple, heads: int, kv_heads: int) 
 
 
 def _replicated(t: Optional[torch.Tensor], mesh: Any, name: str) -> Optional[DTensor]:
-    """A plain tensor every rank holds whole (cu_seqlens, float values) as a Replicate DTensor."""
+    """A plain tensor every rank holds whole (cu_seqlens, float values) as a Replicate DTensor,
+    on its own device: the score_mod's float values stay a CPU tensor (pass-by-value scalars;
+    `DTensor.from_local` would move them to the mesh's device and the op would read them back).
+    Under torch.compile, from_local (traceable) is used."""
     if t is None:
         return None
     if is_dtensor(t):
@@ -112,7 +116,11 @@ def _replicated(t: Optional[torch.Tensor], mesh: Any, name: str) -> Optional[DTe
             raise ValueError(f"{name} must be replicated on the inputs' mesh, got placements {t.placements} on "
                              f"{t.device_mesh}")
         return t
-    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    placements = (Replicate(),) * mesh.ndim
+    if torch.compiler.is_compiling():
+        return DTensor.from_local(t, mesh, placements, run_check=False)
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(t.shape, t.stride(), t.dtype))
+    return DTensor(t, spec, requires_grad=False)
 
 
 def _placed(t: torch.Tensor, mesh: Any, want: Sequence[Any], name: str) -> DTensor:
