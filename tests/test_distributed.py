@@ -331,3 +331,24 @@ def test_two_processes(group_results, case):
 @pytest.mark.parametrize("case", _dist_cases.case_names(4))
 def test_four_processes(group_results, case):
     _check(group_results(4), case)
+
+
+def test_bench_cp_cpu_smoke(tmp_path):
+    """benchmarks/bench_cp.py under torchrun on 2 CPU processes (--cpu-smoke): every row is
+    written and checked, none has an error note."""
+    import csv
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(_free_port()), os.path.join(root, "benchmarks", "bench_cp.py"), "--cpu-smoke", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "cp_cpux2.csv") as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    impls = [(r["S"], r["impl"]) for r in rows]
+    assert impls == [(s, i) for s in ("64", "128") for i in ("single", "ring", "ring_serial", "all_gather",
+                                                            "comm_only")], impls
+    assert all(r["ms"] for r in rows)
+    assert not any(r["note"] and "overlap hides" not in r["note"] for r in rows), rows
+    assert all(float(r["max_err"]) < 2e-2 for r in rows if r["max_err"])

@@ -147,6 +147,7 @@ def ring_forward(cp: CPConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     acc_lse = torch.full(_lse_shape(cp, q), -math.inf, dtype=torch.float32, device=q.device)
     q_ids = lay.ids(cp.rank)
     kv = [k.contiguous(), v.contiguous()]
+    touched = set()  # local query chunks that hold a partial result already
     for step in range(cp.n):
         nxt, reqs = _exchange(cp, kv) if step < cp.n - 1 else (None, [])
         kv_ids = lay.ids((cp.rank - step) % cp.n)
@@ -155,7 +156,16 @@ def ring_forward(cp: CPConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                                                                             reg.j1 - reg.j0))
             o, l = attention_forward(lay.take(q, "q", reg.i0, reg.i1), lay.take(kv[0], "kv", reg.j0, reg.j1),
                                      lay.take(kv[1], "kv", reg.j0, reg.j1), **kw)
-            _merge(cp, acc_out, acc_lse, reg.i0, reg.i1, o, l)
+            rows = set(range(reg.i0, reg.i1))
+            if rows & touched:
+                _merge(cp, acc_out, acc_lse, reg.i0, reg.i1, o, l)
+            else:  # the first partial result of these rows: a copy (rows no key reaches: out 0, lse -inf)
+                keep = lay.lse_like_out(torch.isfinite(l))
+                lay.put(acc_out, "q", reg.i0, reg.i1, torch.where(keep, o.to(acc), torch.zeros((), dtype=acc,
+                                                                                                device=o.device)),
+                        add=False)
+                lay.put_lse(acc_lse, reg.i0, reg.i1, l)
+            touched |= rows
         if nxt is not None:
             _wait(reqs)
             kv = nxt
