@@ -160,12 +160,14 @@ def cp_errors(ctx: Ctx) -> None:
     s = 4 * ctx.world
     loc = [fd.shard_sequence(ctx.randn(2, s, 4, 16)) for _ in range(3)]
     cpa = fd.context_parallel_attention
-    expect_error(NotImplementedError, r"sliding windows, got window_size=\(2, 0\)", lambda: cpa(*loc, window_size=(2, 0)))
+    expect_error(NotImplementedError, r"sliding windows, got window_size=\(2, 0\)",
+                 lambda: cpa(*loc, window_size=(2, 0)))
     expect_error(ValueError, r"cp_comm='tree' is not supported", lambda: cpa(*loc, None, "tree"))
     expect_error(ValueError, r"layout='zigzag' is not supported", lambda: cpa(*loc, layout="zigzag"))
     expect_error(NotImplementedError, r"does not support sinks", lambda: cpa(
         *loc, softmax_type="learnable", sinks=torch.zeros(4, dtype=torch.float64)))
-    expect_error(NotImplementedError, r"'no_mask' and 'causal'.*got 'padding'", lambda: cpa(*loc, attn_mask_type="padding"))
+    expect_error(NotImplementedError, r"'no_mask' and 'causal'.*got 'padding'",
+                 lambda: cpa(*loc, attn_mask_type="padding"))
     odd = [t[:, :3] for t in loc]
     expect_error(ValueError, r"3 tokens, not a multiple of the 2 chunks", lambda: cpa(*odd))
     expect_error(NotImplementedError, r"needs equal query and key lengths", lambda: cpa(

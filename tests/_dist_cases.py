@@ -11,7 +11,6 @@ fp32 merge weights exp(lse_i - lse) at |lse| ~ 10, with a 10x margin.
 from __future__ import annotations
 
 import datetime
-import itertools
 import json
 import os
 import traceback
@@ -250,7 +249,8 @@ def dt_errors(ctx: Ctx) -> None:
     fd, mesh = ctx.fd, ctx.mesh
     full = [ctx.randn(4, 8, 4, 16) for _ in range(3)]
     d = lambda p: [distribute_tensor(t, mesh, [p]) for t in full]  # noqa: E731
-    expect_error(ValueError, r"sharded along its sequence dim .*context_parallel_attention", lambda: fd.dot_product_attention(*d(Shard(1))))
+    expect_error(ValueError, r"sharded along its sequence dim .*context_parallel_attention",
+                 lambda: fd.dot_product_attention(*d(Shard(1))))
     expect_error(ValueError, r"share their placement .*query S\(0\), key S\(2\)",
                  lambda: fd.dot_product_attention(d(Shard(0))[0], *d(Shard(2))[1:]))
     expect_error(TypeError, r"key and value are plain tensors but query is a DTensor",
@@ -277,8 +277,8 @@ def dt_gqa_uneven(ctx: Ctx) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     q, k, v = ctx.randn(2, 8, 4, 16), ctx.randn(2, 8, 2, 16), ctx.randn(2, 8, 2, 16)
-    expect_error(NotImplementedError, r"GQA with 4 query heads and 2 key/value heads", lambda: ctx.fd.dot_product_attention(
-        *(distribute_tensor(t, ctx.mesh, [Shard(2)]) for t in (q, k, v))))
+    expect_error(NotImplementedError, r"GQA with 4 query heads and 2 key/value heads",
+                 lambda: ctx.fd.dot_product_attention(*(distribute_tensor(t, ctx.mesh, [Shard(2)]) for t in (q, k, v))))
 
 
 def dt_2d_mesh(ctx: Ctx) -> None:
@@ -296,8 +296,6 @@ def dt_2d_mesh(ctx: Ctx) -> None:
 
 
 def dtensor_cases(world: int) -> Dict[str, Callable]:
-    from torch.distributed.tensor import Shard  # noqa: F401
-
     cases: Dict[str, Callable] = {}
     if world == 2:
         cases.update({

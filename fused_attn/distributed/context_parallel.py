@@ -28,7 +28,7 @@ dropout, padding masks, padded thd offsets, position-dependent score_mods on cuD
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 import torch.distributed as dist

@@ -23,7 +23,7 @@ length must be a multiple of U) give the tensors, lse rows and cu_seqlens of a b
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -357,7 +357,8 @@ class ThdLayout:
 
     def prefix_kwargs(self, chunk: int) -> Dict[str, Any]:
         """Padded offsets: sequence b's keys start at its global offset, (chunk + 1) u_b long."""
-        return dict(cu_seqlens_kv=self._scaled_cu("kv", chunk + 1), cu_seqlens_kv_padded=self._scaled_cu("kv", self.total),
+        return dict(cu_seqlens_kv=self._scaled_cu("kv", chunk + 1),
+                    cu_seqlens_kv_padded=self._scaled_cu("kv", self.total),
                     max_seqlen_kv=self.max["kv"] * (chunk + 1) // self.total)
 
     def put_prefix(self, acc: torch.Tensor, chunk: int, value: torch.Tensor) -> None:

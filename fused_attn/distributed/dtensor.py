@@ -22,7 +22,7 @@ score_mod tensors / sinks / cu_seqlens placed inconsistently.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -69,18 +69,9 @@ def _kind_of(p: Any, fmt: str, name: str, t: DTensor) -> str:
 
 def input_kinds(query: Any, key: Any, value: Any, fmt: str) -> Tuple[Any, tuple]:
     """(mesh, kind per mesh dim) of DTensor q/k/v; ValueError on mixed / mismatched inputs."""
-    tensors = (("query", query), ("key", key), ("value", value))
-    plain = [n for n, t in tensors if not is_dtensor(t)]
-    if plain:
-        dts = [n for n, t in tensors if is_dtensor(t)]
-        raise TypeError(f"{' and '.join(plain)} {'is a plain torch.Tensor' if len(plain) == 1 else 'are plain tensors'} "
-                        f"but {' and '.join(dts)} {'is a DTensor' if len(dts) == 1 else 'are DTensors'}: pass all three "
-                        "as DTensors on one mesh (or all as plain tensors)")
+    _check_meshes(query, key, value)
     mesh = query.device_mesh
-    for name, t in tensors[1:]:
-        if t.device_mesh != mesh:
-            raise ValueError(f"query and {name} are on different device meshes ({mesh} vs {t.device_mesh}); "
-                             "attention needs one mesh")
+    tensors = (("query", query), ("key", key), ("value", value))
     kinds = []
     for dim in range(mesh.ndim):
         got = [(_kind_of(t.placements[dim], fmt, n, t), n, t.placements[dim]) for n, t in tensors]
@@ -223,9 +214,10 @@ def _check_meshes(query: Any, key: Any, value: Any) -> None:
     plain = [n for n, t in tensors if not is_dtensor(t)]
     if plain:
         dts = [n for n, t in tensors if is_dtensor(t)]
-        raise TypeError(f"{' and '.join(plain)} {'is a plain torch.Tensor' if len(plain) == 1 else 'are plain tensors'} "
-                        f"but {' and '.join(dts)} {'is a DTensor' if len(dts) == 1 else 'are DTensors'}: pass all three "
-                        "as DTensors on one mesh (or all as plain tensors)")
+        what = "is a plain torch.Tensor" if len(plain) == 1 else "are plain tensors"
+        others = "is a DTensor" if len(dts) == 1 else "are DTensors"
+        raise TypeError(f"{' and '.join(plain)} {what} but {' and '.join(dts)} {others}: pass all three as DTensors "
+                        "on one mesh (or all as plain tensors)")
     for name, t in tensors[1:]:
         if t.device_mesh != query.device_mesh:
             raise ValueError(f"query and {name} are on different device meshes ({query.device_mesh} vs "

@@ -306,7 +306,8 @@ def assert_async_strategy(op_schema: OpSchema) -> OpStrategy:
         placements = strat.output_spec.placements
         if all(not isinstance(p, Partial) or p.reduce_op in ("min", "product") for p in placements):
             dst = DTensorSpec(mesh, placements, tensor_meta=strat.output_spec.tensor_meta)
-            out.append(OpSpec(output_specs=None, input_specs=[dst], redistribute_cost=[generate_redistribute_costs(src, dst)]))
+            out.append(OpSpec(output_specs=None, input_specs=[dst],
+                              redistribute_cost=[generate_redistribute_costs(src, dst)]))
     replicate = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=src.strategies[0].output_spec.tensor_meta)
     out.append(OpSpec(output_specs=None, input_specs=[replicate],
                       redistribute_cost=[generate_redistribute_costs(src, replicate)]))
