@@ -182,6 +182,11 @@ def cp_errors(ctx: Ctx) -> None:
         *t, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=4 * ctx.world,
         max_seqlen_kv=4 * ctx.world))
     expect_error(ValueError, r"does not split into", lambda: fd.shard_sequence(ctx.randn(2, 6, 4, 16)))
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    uneven = [distribute_tensor(ctx.randn(2, 2 * ctx.world + 1, 4, 16), ctx.mesh, [Shard(1)]) for _ in range(3)]
+    expect_error(ValueError, r"global sequence of .* tokens, which does not split", lambda: cpa(*uneven,
+                                                                                            layout="contiguous"))
 
 
 def cp_cases(world: int) -> Dict[str, Callable]:

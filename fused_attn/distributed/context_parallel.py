@@ -72,11 +72,13 @@ def _causal(kwargs: Dict[str, Any], sq: int, skv: int) -> bool:
 
 
 def _grad_names(mod: Any) -> Tuple[str, ...]:
-    """The mod's floating tensor parameters the reference differentiates (its order)."""
+    """The mod's floating tensor parameters the reference differentiates (its order); none when
+    no tensor requires grad (their gradients would be summed over the group for nothing)."""
     if mod is None:
         return ()
     specs = getattr(mod, "specs", None) or {}
-    return tuple(n for n, t in mod.tensors().items() if t.is_floating_point() and n in specs)
+    names = tuple(n for n, t in mod.tensors().items() if t.is_floating_point() and n in specs)
+    return names if any(mod.tensors()[n].requires_grad for n in names) else ()
 
 
 def cp_config(query: torch.Tensor, key: torch.Tensor, group: Any, cp_comm: str, layout: str, overlap: bool,
@@ -127,8 +129,7 @@ def cp_config(query: torch.Tensor, key: torch.Tensor, group: Any, cp_comm: str, 
                 "the cuDNN lowering would need int32 runtime offsets added to gen_index")
         kwargs = {k: v for k, v in kwargs.items() if not k.startswith("score_mod")}
     names = _grad_names(mod)
-    if names and any(mod.tensors()[n].requires_grad for n in names) and (
-            backend == "cudnn" or (backend == "auto" and query.is_cuda)):
+    if names and (backend == "cudnn" or (backend == "auto" and query.is_cuda)):
         raise NotImplementedError("score_mod tensor parameters that require grad run on the reference backend under "
                                   "context parallelism (pass backend='reference')")
     return cp_ring.CPConfig(group=group, n=n, rank=rank, layout=lay, causal=causal, kwargs=kwargs, mod=mod,

@@ -120,6 +120,12 @@ def context_parallel_dtensor(query: Any, key: Any, value: Any, cp_group: Any, cp
     for d, p in others.items():
         _kind_of(p, fmt, "query", query)  # batch / heads / replicate, or a clear error
     group = mesh.get_group(cp_dim)
+    units = chunks_per_rank(layout) * mesh.size(cp_dim) if layout in LAYOUTS else 1
+    for name, t in (("query", query), ("key", key)):
+        if fmt != "thd" and t.shape[s] % units:
+            raise ValueError(f"{name} has a global sequence of {t.shape[s]} tokens, which does not split into {units} "
+                             f"equal chunks over {mesh.size(cp_dim)} ranks with layout={layout!r} (DTensor would shard "
+                             "it unevenly); pad the sequence to a multiple of that")
     if cp_group is not None and dist.get_world_size(cp_group) != dist.get_world_size(group):
         raise ValueError(f"cp_group has {dist.get_world_size(cp_group)} ranks but the sequence is sharded over mesh "
                          f"dim {cp_dim} of size {mesh.size(cp_dim)}")
