@@ -1,0 +1,300 @@
+"""Context-parallel attention on N GPUs vs one GPU: causal bf16 forward + backward steps.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_cp.py                 # S = 16k, 32k, 64k, 128k
+    torchrun --nproc-per-node 2 benchmarks/bench_cp.py --quick         # S = 16k, 64k
+    torchrun --nproc-per-node 2 benchmarks/bench_cp.py --seqlens 65536 --iters 20
+
+Problem: B=1, H=16, D=128, bf16, causal, BSHD, cuDNN; the global sequence S is split over the N
+ranks in the load-balanced layout (rank r holds chunks r and 2N-1-r). For each S:
+
+  single       one GPU runs the whole problem (rank 0; the others wait)
+  ring         context_parallel_attention(cp_comm="ring"): K/V exchange overlapped with compute
+  ring_serial  the same with cp_overlap=False (each exchange waited before computing)
+  all_gather   context_parallel_attention(cp_comm="all_gather")
+  comm_only    the ring's communication alone: (N-1) K/V exchanges (forward) + (N-1) K/V and
+               N fp32 dK/dV exchanges (backward), timed without any attention
+
+Columns: ms per fwd+bwd step (median over iterations, the slowest rank), tflops per GPU
+(causal fwd+bwd FLOPs 3.5 x 2*B*H*S^2*D, divided by N for the distributed rows), speedup =
+single ms / ms, efficiency = speedup / N, hidden_ms = ring_serial - ring (communication the
+overlap hides), exposed_ms = comm_only - hidden_ms, max_err = max|ring out - single out| /
+max|single out| (checked before timing; a wrong result is reported, not timed).
+
+Each configuration runs in try/except (an error or OOM becomes a row with a note); rank 0 prints
+versions first and rewrites benchmarks/results/cp_<gpu>x<N>.csv / .md after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import fused_attn  # noqa: E402
+import fused_attn.distributed as fd  # noqa: E402
+from fused_attn.bench.common import attn_flops, env_line, environment, gpu_slug, markdown_table  # noqa: E402
+from fused_attn.distributed import cp_ring  # noqa: E402
+
+CHECK_TOL = 2e-2  # max|cp - single| / max|single| for two bf16 computations of the same attention
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlens", default="16384,32768,65536,131072")
+    p.add_argument("--quick", action="store_true", help="S = 16384, 65536")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--comms", default="ring,ring_serial,all_gather")
+    p.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="no GPU: gloo, CPU, reference backend, S = 64 and 128, H=2, D=16 (checks the harness only)")
+    args = p.parse_args()
+    if args.cpu_smoke:
+        args.seqlens, args.quick, args.heads, args.dim, args.iters, args.warmup = "64,128", False, 2, 16, 2, 1
+    return args
+
+
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _elapsed_ms(fn: Callable[[], Any]) -> float:
+    """One timed call: CUDA events on the GPU, perf_counter on the CPU."""
+    if DEVICE != "cuda":
+        import time
+
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def log(*args: Any) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def time_local(fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    """Median ms of fn on this GPU (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    return statistics.median(_elapsed_ms(fn) for _ in range(iters))
+
+
+def time_group(fn: Callable[[], Any], warmup: int, iters: int) -> float:
+    """Median ms per step of the slowest rank (ranks aligned by a barrier before each step)."""
+    for _ in range(warmup):
+        fn()
+    _sync()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        _sync()
+        times.append(_elapsed_ms(fn))
+    t = torch.tensor([statistics.median(times)], device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+class Writer:
+    """Rank 0 keeps the rows and rewrites the CSV and markdown after each one."""
+
+    def __init__(self, env: Dict[str, str], out_dir: str, world: int, notes: List[str]) -> None:
+        self.env, self.rows, self.notes = env, [], notes
+        os.makedirs(out_dir, exist_ok=True)
+        self.base = os.path.join(out_dir, f"cp_{gpu_slug(env)}x{world}")
+
+    COLUMNS = ("S", "B", "H", "D", "gpus", "impl", "ms", "tflops", "speedup", "efficiency", "max_err", "hidden_ms",
+               "exposed_ms", "note")
+
+    def add(self, row: Dict[str, Any]) -> None:
+        if dist.get_rank() != 0:
+            return
+        row = {c: row.get(c) for c in self.COLUMNS}  # one column set: one table
+        self.rows.append(row)
+        print("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                               if v not in (None, "")), flush=True)
+        cols: List[str] = []
+        for r in self.rows:
+            cols += [c for c in r if c not in cols]
+        with open(self.base + ".csv", "w", newline="") as f:
+            f.write("# " + env_line(self.env) + "\n")
+            w = csv.DictWriter(f, fieldnames=cols)
+            w.writeheader()
+            for r in self.rows:
+                w.writerow({c: ("" if r.get(c) is None else r.get(c)) for c in cols})
+        with open(self.base + ".md", "w") as f:
+            f.write(f"# context parallelism benchmark\n\n{env_line(self.env)}\n\n")
+            for note in self.notes:
+                f.write(f"- {note}\n")
+            f.write("\n" + markdown_table(self.rows) + "\n")
+
+
+def step_fn(attn: Callable[..., torch.Tensor], q, k, v, dout) -> Callable[[], Any]:
+    def step():
+        out = attn(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), dout)
+    return step
+
+
+def comm_only_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], None]:
+    """The ring's exchanges of one fwd+bwd step, with no compute between them."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    cp = cp_ring.CPConfig(group=dist.group.WORLD, n=n, rank=rank, layout=None, causal=True, kwargs={})
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+
+    def run():
+        for _ in range(2 * (n - 1)):  # forward and backward K/V rings
+            _, reqs = cp_ring._exchange(cp, [k, v])
+            cp_ring._wait(reqs)
+        for _ in range(n):  # the dK/dV accumulators
+            _, reqs = cp_ring._exchange(cp, [dk, dv])
+            cp_ring._wait(reqs)
+    return run
+
+
+def _empty_cache() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_seqlen(args: argparse.Namespace, s: int, writer: Writer) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b, h, d = args.batch, args.heads, args.dim
+    flops = attn_flops(b, h, s, s, d, causal=True, mode="fwd_bwd")
+    base = dict(S=s, B=b, H=h, D=d, gpus=world)
+    gen = torch.Generator(device=DEVICE).manual_seed(s)
+    full = [torch.randn(b, s, h, d, generator=gen, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
+    q, k, v, dout = (fd.shard_sequence(t).requires_grad_(i < 3) for i, t in enumerate(full))
+    kw = dict(attn_mask_type="causal", backend="cudnn" if DEVICE == "cuda" else "reference")
+    single_ms: Optional[float] = None
+    single_out: Optional[torch.Tensor] = None
+    if not args.no_single:
+        row = dict(base, impl="single", gpus=1)
+        if rank == 0:
+            try:
+                fq, fk, fv = (t.clone().requires_grad_(True) for t in full[:3])
+                single_out = fused_attn.dot_product_attention(fq, fk, fv, **kw).detach()
+                single_ms = time_local(step_fn(lambda a, bb, c: fused_attn.dot_product_attention(a, bb, c, **kw),
+                                               fq, fk, fv, full[3]), args.warmup, args.iters)
+                row.update(ms=single_ms, tflops=flops / single_ms / 1e9)
+                del fq, fk, fv
+            except Exception as e:  # noqa: BLE001
+                row["note"] = f"{type(e).__name__}: {str(e)[:160]}"
+                traceback.print_exc()
+            _empty_cache()
+        writer.add(row)
+        dist.barrier()
+    times: Dict[str, float] = {}
+    for impl in [c for c in args.comms.split(",") if c]:
+        row = dict(base, impl=impl)
+        try:
+            comm = "all_gather" if impl == "all_gather" else "ring"
+            attn = (lambda a, bb, c, _comm=comm, _ov=(impl != "ring_serial"):
+                    fd.context_parallel_attention(a, bb, c, None, _comm, cp_overlap=_ov, **kw))
+            out = attn(q, k, v).detach()
+            gathered = fd.unshard_sequence(out)
+            if rank == 0 and single_out is not None:
+                err = float((gathered.float() - single_out.float()).abs().max() / single_out.float().abs().max())
+                row["max_err"] = err
+            ok = torch.tensor([0 if rank != 0 or "max_err" not in row or row["max_err"] <= CHECK_TOL else 1],
+                              device=DEVICE)
+            dist.all_reduce(ok, op=dist.ReduceOp.MAX)
+            del out, gathered
+            if int(ok):
+                row["note"] = f"WRONG: max_err above {CHECK_TOL}; not timed"
+            else:
+                ms = time_group(step_fn(attn, q, k, v, dout), args.warmup, args.iters)
+                times[impl] = ms
+                row.update(ms=ms, tflops=flops / ms / 1e9 / world)
+                if single_ms:
+                    row.update(speedup=single_ms / ms, efficiency=single_ms / ms / world)
+        except Exception as e:  # noqa: BLE001
+            row["note"] = f"{type(e).__name__}: {str(e)[:160]}"
+            if rank == 0:
+                traceback.print_exc()
+        _empty_cache()
+        writer.add(row)
+    if world > 1:
+        row = dict(base, impl="comm_only")
+        try:
+            comm_ms = time_group(comm_only_fn(q.detach(), k.detach(), v.detach()), args.warmup, args.iters)
+            row["ms"] = comm_ms
+            if "ring" in times and "ring_serial" in times:
+                hidden = times["ring_serial"] - times["ring"]
+                row.update(hidden_ms=hidden, exposed_ms=comm_ms - hidden,
+                           note=f"overlap hides {100 * hidden / comm_ms:.0f}% of the ring's communication")
+        except Exception as e:  # noqa: BLE001
+            row["note"] = f"{type(e).__name__}: {str(e)[:160]}"
+        writer.add(row)
+
+
+def main() -> int:
+    global DEVICE
+    args = parse()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu_smoke:
+        DEVICE = "cpu"
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
+        env = environment(torch.device("cpu"))
+    else:
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10),
+                                device_id=torch.device("cuda", local))
+        env = environment(torch.device("cuda", local))
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001
+            env["nccl"] = "?"
+    env["world"] = str(dist.get_world_size())
+    log(f"bench_cp: {env_line(env)}")
+    log(f"python {sys.version.split()[0]}, fused_attn {fused_attn.__version__}")
+    seqlens = [16384, 65536] if args.quick else [int(x) for x in args.seqlens.split(",") if x]
+    notes = [f"B={args.batch} H={args.heads} D={args.dim} bf16 causal bshd, cuDNN, load-balanced layout; "
+             f"ms: median of {args.iters} fwd+bwd steps (slowest rank); tflops per GPU",
+             "hidden_ms = ring_serial - ring; exposed_ms = comm_only - hidden_ms",
+             f"max_err: max|ring out - single-GPU out| / max|single-GPU out| (checked at {CHECK_TOL})"]
+    writer = Writer(env, args.out, dist.get_world_size(), notes)
+    for s in seqlens:
+        log(f"-- S = {s}")
+        try:
+            bench_seqlen(args, s, writer)
+        except Exception:  # noqa: BLE001 - keep going with the next size
+            if dist.get_rank() == 0:
+                traceback.print_exc()
+        _empty_cache()
+    if dist.get_rank() == 0:
+        print("\n" + markdown_table(writer.rows), flush=True)
+        print(f"\nwrote {writer.base}.csv and .md", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
