@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .functional import run_call
+from .functional import _is_dtensor, run_call
 from .plan import Varlen
 from .spec import resolve_spec
 from .validation import check_window
@@ -180,6 +180,12 @@ def doc_packed_attn(
     Cost: no device->host synchronisation on CUDA (cu_seq values are checked by an asynchronous
     device assertion, which also checks max_doc_len).
     """
+    if type(query) is not torch.Tensor and _is_dtensor(query):
+        from .distributed import dtensor
+
+        return dtensor.doc_packed_attn(query, key, value, cu_seq, is_causal=is_causal, window_size=window_size,
+                                       enable_gqa=enable_gqa, score_mod=score_mod, scale=scale,
+                                       max_doc_len=max_doc_len)
     _check_qkv(query, key, value, enable_gqa)
     batch, seq_len = query.shape[0], query.shape[1]
     if max_doc_len is None:

@@ -113,7 +113,12 @@ def _resolve_call(config: tuple, score_mod: Any) -> Tuple[AttentionSpec, Any]:
 def run_call(resolver: Any, config: tuple, score_mod: Any, query: Any, key: Any, value: Any, varlen: Varlen,
              sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """The body of the public entry points: `resolver(config, score_mod) -> (spec, mod)` then the
-    plan. Under torch.compile the resolution runs once at trace time (its key is a constant)."""
+    plan. Under torch.compile the resolution runs once at trace time (its key is a constant).
+    DTensor inputs go to `fused_attn.distributed` (batch / head sharding, context parallelism)."""
+    if type(query) is not torch.Tensor and _is_dtensor(query):
+        from .distributed import dtensor
+
+        return dtensor.dtensor_call(resolver, config, score_mod, query, key, value, varlen, sinks)
     if torch.compiler.is_compiling():
         from . import ops
 
@@ -123,6 +128,15 @@ def run_call(resolver: Any, config: tuple, score_mod: Any, query: Any, key: Any,
         return out if lse is None else (out, lse)
     spec, mod = resolver(config, score_mod)
     return run_spec(spec, mod, query, key, value, varlen, sinks)
+
+
+def _is_dtensor(t: Any) -> bool:
+    """A DTensor (checked only for inputs that are not plain tensors; no import otherwise)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _compiled_varlen(varlen: Varlen) -> Varlen:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import validation as V
-from .functional import _resolve_call, run_call, run_spec
+from .functional import _is_dtensor, _resolve_call, run_call, run_spec
 from .layouts import dims
 from .plan import NO_VARLEN, Varlen
 from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS
@@ -179,6 +179,10 @@ class DotProductAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 **overrides: Any) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        if type(query) is not torch.Tensor and _is_dtensor(query):
+            from .distributed import dtensor
+
+            return dtensor.module_forward(self, query, key, value, **overrides)
         eval_spec, train_spec, mod = self._specs
         spec = train_spec if self.training else eval_spec
         varlen = NO_VARLEN

@@ -153,7 +153,10 @@ def signature(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     path then validates and names the bad argument)."""
     grad = force_grad or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                                        or (sinks is not None and sinks.requires_grad)))
-    align = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+    try:
+        align = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+    except RuntimeError:  # tensors without storage (fake tensors under tracing): treated as aligned
+        align = 0
     msig = _mod_sig(mod)
     if msig and not grad and torch.is_grad_enabled():
         grad = any(s[-1] for s in msig)

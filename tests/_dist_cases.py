@@ -216,7 +216,7 @@ def dt_strategies(ctx: Ctx) -> None:
         spec_t = t._spec
         schema = OpSchema(op, (spec_t, spec_t, spec_t, None, None, None, None, None, None, None,
                                distribute_tensor(torch.zeros(0, dtype=torch.float64), ctx.mesh, [Replicate()])._spec,
-                               [], key), {})
+                               [], None, key), {})
         strategy = prop.op_strategy_funcs[op](prop._wrap_with_op_strategy(schema))
         return {s.output_specs[0].placements[0] for s in strategy.strategies}
 

@@ -30,6 +30,7 @@ import _dist_cases  # noqa: E402
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with gloo")
 
+import fused_attn  # noqa: E402
 from fused_attn.distributed import cp_layout as L  # noqa: E402
 from fused_attn.distributed.cp_mods import OffsetMod, reads_positions  # noqa: E402
 from fused_attn.distributed.sharding import allowed_kinds  # noqa: E402
@@ -352,3 +353,72 @@ def test_bench_cp_cpu_smoke(tmp_path):
     assert all(r["ms"] for r in rows)
     assert not any(r["note"] and "overlap hides" not in r["note"] for r in rows), rows
     assert all(float(r["max_err"]) < 2e-2 for r in rows if r["max_err"])
+
+
+def test_core_entry_points_route_dtensors(tmp_path):
+    """fused_attn.dot_product_attention / varlen_attn / DotProductAttention / doc_packed_attn given
+    DTensors go to fused_attn.distributed (a one-rank group here: the routing, not the sharding,
+    is under test; the sharded cases run in the multi-process tests)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+        dq, dk, dv = (distribute_tensor(t, mesh, [Shard(0)]) for t in (q, k, v))
+        want = fused_attn.dot_product_attention(q, k, v, attn_mask_type="causal")
+        got = fused_attn.dot_product_attention(dq, dk, dv, attn_mask_type="causal")
+        assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
+        attn = fused_attn.DotProductAttention(4, 8, attn_mask_type="causal")
+        got = attn(dq, dk, dv)
+        assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
+        cu = torch.tensor([[0, 5, 16], [0, 16, 16]], dtype=torch.int32)
+        want = fused_attn.doc_packed_attn(q, k, v, cu, is_causal=True)
+        got = fused_attn.doc_packed_attn(dq, dk, dv, cu, is_causal=True)
+        assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
+        packed = [t.reshape(32, 4, 8) for t in (q, k, v)]
+        cu1 = torch.tensor([0, 16, 32], dtype=torch.int32)
+        want = fused_attn.varlen_attn(*packed, cu1, cu1, 16, 16, window_size=(-1, 0))
+        dpacked = [distribute_tensor(t, mesh, [Shard(1)]) for t in packed]
+        got = fused_attn.varlen_attn(*dpacked, cu1, cu1, 16, 16, window_size=(-1, 0))
+        assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_index_reads_of_the_expression_graph():
+    """Direct subscripts shard with their tensor; computed or conflicting subscripts count as
+    arithmetic use of the index (the kind that splits it is refused)."""
+    import score_mods as sm
+    from fused_attn.distributed.sharding import index_uses, tensor_axes
+
+    bias = sm.post_scale_bias(torch.randn(2, 1, 8, 8))
+    assert index_uses(bias) == frozenset()
+    assert tensor_axes(bias) == {"bias": ("b", "h", "q_idx", "kv_idx")}
+    alibi = sm.alibi(torch.randn(4))
+    assert index_uses(alibi) == {"q_idx", "kv_idx"} and tensor_axes(alibi) == {"slopes": ("h",)}
+
+    @sm.score_mod
+    def rel(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
+        return score + table[h, (q_idx - kv_idx).clamp(-3, 3) + 3]
+
+    assert tensor_axes(rel(table=torch.randn(4, 7))) == {"table": ("h", None)}
+    assert index_uses(rel(table=torch.randn(4, 7))) == {"q_idx", "kv_idx"}
+
+    @sm.score_mod
+    def mixed(score, b, h, q_idx, kv_idx, t=sm.TensorParam()):
+        return score + t[b] - t[0]  # row b and row 0 of one table: no batch shard holds both
+
+    assert "b" in index_uses(mixed(t=torch.randn(4))) and tensor_axes(mixed(t=torch.randn(4))) == {"t": (None,)}
+    assert allowed_kinds(_spec_of(mixed(t=torch.randn(4))), 4, 4)["batch"] is not None
+
+
+def _spec_of(mod):
+    from fused_attn.spec import resolve_spec
+
+    return resolve_spec(score_mod=mod, backend="reference")[0]

@@ -289,3 +289,21 @@ def test_reference_refuses_mod_without_eager(gen):
     q, k, v = _dense(gen, 1, 2, 2, 4, 4, 8, 8)
     with pytest.raises(NotImplementedError, match="no_ref.*no eager reference"):
         fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", score_mod=NoRef(), backend="reference")
+
+
+def test_attention_backward_with_grad_mode_off_equals_autograd(gen):
+    """attention_backward is called inside autograd backward passes (grad mode off): it must
+    still differentiate, not return zeros."""
+    q, k, v, do = (rand(gen, 1, 12, 2, 16, dtype=torch.float64) for _ in range(4))
+    out, lse = fused_attn.functional.attention_forward(q, k, v, attn_mask_type="causal", backend="reference")
+    with torch.enable_grad():
+        grads_on = fused_attn.functional.attention_backward(q, k, v, out, lse, do, attn_mask_type="causal", backend="reference")
+    with torch.no_grad():
+        grads_off = fused_attn.functional.attention_backward(q, k, v, out, lse, do, attn_mask_type="causal", backend="reference")
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want = torch.autograd.grad(fused_attn.dot_product_attention(*leaves, attn_mask_type="causal", backend="reference"),
+                               leaves, do)
+    for on, off, w in zip(grads_on, grads_off, want):  # the lse crosses as fp32: agreement to ~1e-7
+        assert w.abs().max() > 0.1
+        torch.testing.assert_close(off, w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(on, w, rtol=1e-5, atol=1e-6)

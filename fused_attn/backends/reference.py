@@ -123,8 +123,8 @@ class ReferenceRunner:
             row_dot = row_dot.permute(self.perm[:3])  # -> (B, H, Sq)
         else:
             row_dot = row_dot.t()  # (Tq, H) -> (H, Tq)
-        problem = dataclasses.replace(self._problem(*leaves, varlen, mod, sink_leaf), fixed_lse=lse.detach())
-        with torch.enable_grad(), _autograd_dispatch():
+        with torch.enable_grad(), _autograd_dispatch():  # also when called with grad mode off (a backward)
+            problem = dataclasses.replace(self._problem(*leaves, varlen, mod, sink_leaf), fixed_lse=lse.detach())
             partial, weights = _compute(problem)
             loss = (grad_out.to(partial.dtype) * partial).sum() - (row_dot.to(weights.dtype) * weights).sum()
             wrt = leaves + extra

@@ -85,15 +85,6 @@ def _exchange(cp: CPConfig, tensors: List[torch.Tensor]) -> Tuple[List[torch.Ten
     return bufs, reqs
 
 
-def _backward_call(*args: Any, **kwargs: Any):
-    """`attention_backward`, with grad mode on: inside an autograd backward it is off, and the
-    reference's backward_with_lse then builds its (B, H, S, D) views of the leaves untracked and
-    returns zeros (core issue: ReferenceRunner.backward_with_lse calls self._problem(...) outside
-    its torch.enable_grad() block)."""
-    with torch.enable_grad():
-        return attention_backward(*args, **kwargs)
-
-
 def _wait(reqs: List[Any]) -> None:
     for r in reqs:
         r.wait()
@@ -215,7 +206,7 @@ def ring_backward(cp: CPConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         for reg in plan_regions(q_ids, kv_ids, cp.causal, cp.affine):
             kw = _call_kwargs(cp, reg.mask, q_ids[reg.i0], kv_ids[reg.j0], lay.call_kwargs(reg.i1 - reg.i0,
                                                                                             reg.j1 - reg.j0))
-            grads = _backward_call(
+            grads = attention_backward(
                 lay.take(q, "q", reg.i0, reg.i1), lay.take(kv[0], "kv", reg.j0, reg.j1),
                 lay.take(kv[1], "kv", reg.j0, reg.j1), lay.take(out, "q", reg.i0, reg.i1),
                 lay.take_lse(lse, reg.i0, reg.i1), lay.take(dout, "q", reg.i0, reg.i1), **kw)
@@ -324,7 +315,7 @@ def allgather_backward(cp: CPConfig, q: torch.Tensor, k: torch.Tensor, v: torch.
     for c0, c1, prefix in _ag_blocks(cp):
         kr, kw = _ag_call(cp, c0, c1, prefix, kg)
         vr = vg if prefix is None else lay.prefix(vg, prefix)
-        grads = _backward_call(lay.take(q, "q", c0, c1), kr, vr, lay.take(out, "q", c0, c1),
+        grads = attention_backward(lay.take(q, "q", c0, c1), kr, vr, lay.take(out, "q", c0, c1),
                                    lay.take_lse(lse, c0, c1), lay.take(dout, "q", c0, c1), **kw)
         lay.put(dq, "q", c0, c1, grads[0].to(acc), add=True)
         if prefix is None:

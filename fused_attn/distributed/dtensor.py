@@ -167,9 +167,12 @@ def run_ops(op_key: str, mod: Any, query: DTensor, key: DTensor, value: DTensor,
     cu_kvp = _replicated(varlen.cu_seqlens_kv_padded, mesh, "cu_seqlens_kv_padded")
     d_sinks = None if sinks is None else _placed(
         sinks, mesh, [Shard(0) if k == "heads" else Replicate() for k in kinds], "sinks")
+    if _ops._dropout_p(op_key):
+        raise NotImplementedError("dropout_p > 0 with DTensor inputs: every shard would draw the same dropout mask "
+                                  "from one seed; run dropout-free attention or use plain tensors per rank")
     out, lse, _saved = _ops.attn_fwd(query, key, value, cu_q, cu_kv, cu_qp, cu_kvp, varlen.max_seqlen_q,
                                      varlen.max_seqlen_kv, d_sinks, _replicated(scalars, mesh, "score_mod values"),
-                                     tensors, op_key)
+                                     tensors, None, op_key)
     return out if not _ops._returns_lse(op_key) else (out, lse)
 
 

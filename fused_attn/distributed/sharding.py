@@ -55,33 +55,68 @@ def format_dims(qkv_format: str) -> Tuple[Optional[int], int, int]:
     return _DIMS[qkv_format]
 
 
+def _index_reads(root: Any) -> Tuple[set, Dict[str, list]]:
+    """(index axes read arithmetically, {tensor name: per dim, the set of what indexes it}):
+    an index argument used directly as a tensor parameter's subscript (``bias[b, h, q_idx,
+    kv_idx]``) is recorded against that dim; anything else (``q_idx - kv_idx``, ``table[h, b + 1]``)
+    counts as arithmetic use, and a computed subscript is recorded as "*"."""
+    from score_mods import expr
+
+    arithmetic: set = set()
+    dims: Dict[str, list] = {}
+    seen: set = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "index":
+            arithmetic.add(n.attr)
+        elif n.op == "length":
+            arithmetic.add("length")
+        elif n.op == "gather":
+            slots = dims.setdefault(n.attr, [set() for _ in n.args])
+            for d, a in enumerate(n.args):
+                if a.op == "index":
+                    slots[d].add(a.attr)
+                else:
+                    slots[d].add("*")
+                    stack.append(a)
+            continue
+        stack.extend(n.args)
+    return arithmetic, dims
+
+
 def index_uses(mod: Any) -> Optional[frozenset]:
     """The index arguments a score_mod reads arithmetically ({"b", "h", "q_idx", "kv_idx",
     "length"}), or None when unknown (not a traced mod). Indexing a tensor parameter
-    (``bias[b, h, q_idx, kv_idx]``) is not arithmetic use: see `tensor_axes`."""
+    (``bias[b, h, q_idx, kv_idx]``) is not arithmetic use (see `tensor_axes`), unless the same
+    dim of that tensor is also read at another subscript (a shard could not serve both)."""
     if mod is None:
         return frozenset()
     root = getattr(mod, "root", None)
     if root is None:
         return None
-    from score_mods import expr
-
-    uses = {n.attr for n in expr.leaves(root, "index")}
-    if expr.leaves(root, "length"):
-        uses.add("length")
-    return frozenset(uses)
+    arithmetic, dims = _index_reads(root)
+    for slots in dims.values():
+        for labels in slots:
+            if len(labels) > 1:
+                arithmetic.update(a for a in labels if a != "*")
+    return frozenset(arithmetic)
 
 
 def tensor_axes(mod: Any) -> Optional[Dict[str, tuple]]:
-    """{tensor parameter name: the index axes it is indexed by} for a traced mod, else None."""
+    """{tensor parameter name: per dim, the index axis that subscripts it (None: computed or mixed)}
+    for a traced mod, else None."""
     if mod is None:
         return {}
     root = getattr(mod, "root", None)
     if root is None:
         return None if mod.tensors() else {}
-    from score_mods import expr
-
-    return {n.attr[0]: tuple(n.attr[1]) for n in expr.leaves(root, "tparam")}
+    _, dims = _index_reads(root)
+    return {name: tuple(next(iter(labels)) if len(labels) == 1 and "*" not in labels else None for labels in slots)
+            for name, slots in dims.items()}
 
 
 def allowed_kinds(spec: Any, heads: int, kv_heads: int, n_shards: int = 1) -> Dict[str, Optional[str]]:
@@ -247,10 +282,11 @@ def _op_spec(mesh: Any, combo: tuple, roles: List[_Role], fmt: str, outputs: Lis
 
 
 _FWD_ARGS = ("query", "key", "value", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
-             "max_seqlen_q", "max_seqlen_kv", "sinks", "score_mod_scalars", "score_mod_tensors", "spec_key")
+             "max_seqlen_q", "max_seqlen_kv", "sinks", "score_mod_scalars", "score_mod_tensors", "dropout_rng",
+             "spec_key")
 _BWD_ARGS = ("grad_out", "query", "key", "value", "out", "saved", "cu_seqlens_q", "cu_seqlens_kv",
              "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv", "sinks",
-             "score_mod_scalars", "score_mod_tensors", "spec_key")
+             "score_mod_scalars", "score_mod_tensors", "dropout_rng", "spec_key")
 
 
 def attn_fwd_strategy(op_schema: OpSchema) -> OpStrategy:
