@@ -1,9 +1,15 @@
-"""The cuDNN backend against the reference backend on a GPU (dense layouts, every option)."""
+"""The cuDNN backend on a GPU (dense layouts, every option), each result against the float64
+reference with the project's tolerance rule (`fused_attn.testing`)."""
 
+import functools
 import math
 
 import pytest
 import torch
+
+from conftest import band_mask
+from fused_attn.layouts import to_logical
+from fused_attn.testing import assert_close, bound_from, grad_tolerances, reference_attention, tolerance
 
 pytestmark = [
     pytest.mark.gpu,
@@ -11,10 +17,8 @@ pytestmark = [
 ]
 
 DTYPES = [torch.bfloat16, torch.float16]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+CAUSAL_TYPES = ("causal", "causal_bottom_right", "padding_causal")
+PADDING_TYPES = ("padding", "padding_causal")
 
 
 def make(fmt, b, h, s, d, dtype, requires_grad=True):
@@ -22,46 +26,76 @@ def make(fmt, b, h, s, d, dtype, requires_grad=True):
     return torch.randn(shape, device="cuda", dtype=dtype).requires_grad_(requires_grad)
 
 
-def dtype_error(q, k, v, fmt, dtype):
-    """Relative error of torch's own same-dtype math attention vs fp32 on these inputs."""
-    perm = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}[fmt]
-    ql, kl, vl = (t.detach().permute(*perm) for t in (q, k, v))
-    rep = ql.shape[1] // kl.shape[1]
-    kl, vl = kl.repeat_interleave(rep, 1), vl.repeat_interleave(rep, 1)
-
-    def run(x, y, z):
-        p = torch.softmax((x @ y.transpose(-1, -2)) / math.sqrt(x.shape[-1]), -1)
-        return p @ z
-
-    return rel(run(ql, kl, vl), run(ql.float(), kl.float(), vl.float()))
+@functools.lru_cache(maxsize=None)
+def band(sq, skv, left, right, bottom_right, q_len, kv_len):
+    """`conftest.band_mask`, cached (its explicit loops are slow; the masks repeat across cases)."""
+    return band_mask(sq, skv, left, right, bottom_right, q_len, kv_len)
 
 
-def run(backend, q, k, v, grad, **kw):
+def allowed_mask(sq, skv, attn_mask_type="no_mask", window_size=None, cu_seqlens_q=None, cu_seqlens_kv=None,
+                 **_):
+    """Bool (B or 1, 1, Sq, Skv) mask (True = attend) of a dense call's mask arguments, or None.
+
+    As documented by `dot_product_attention`: -left <= j - (i + shift) <= right, with right = 0
+    for the causal types, shift = Skv - Sq for causal_bottom_right, and for the padding types
+    the lengths of sequence b from cu_seqlens_q/kv (rows and keys past them masked).
+    """
+    left, right = window_size or (-1, -1)
+    if attn_mask_type in CAUSAL_TYPES:
+        right = 0
+    lens = [(sq, skv)]
+    if attn_mask_type in PADDING_TYPES:
+        lens = list(zip(cu_seqlens_q.diff().tolist(), cu_seqlens_kv.diff().tolist()))
+    elif left == right == -1:
+        return None
+    bottom_right = attn_mask_type == "causal_bottom_right"
+    return torch.stack([band(sq, skv, left, right, bottom_right, lq, lkv) for lq, lkv in lens])[:, None]
+
+
+def check(out, q, k, v, scale, mask=None, score_fn=None, lse=None, grads=None, do=None, label=""):
+    """Logical (B, H, S, D) out, and lse (B, H, Sq) and grads of (q, k, v) for cotangent `do`
+    when given, against float64 with the tolerance rule.
+
+    lse: rows without an allowed key must be -inf in both; the bound comes from the naive
+    same-dtype lse of the rows that have one.
+    """
+    q, k, v = (t.detach() for t in (q, k, v))
+    dtype = q.dtype
+    exact, exact_lse = reference_attention(q, k, v, scale, mask, score_fn)
+    assert_close(out, exact, tolerance(q, k, v, scale, dtype, mask, score_fn), label + "out")
+    if lse is not None:
+        _, naive_lse = reference_attention(q, k, v, scale, mask, score_fn, dtype=dtype, softmax_dtype=torch.float32)
+        rows = torch.isfinite(exact_lse)
+        assert_close(lse, exact_lse, bound_from(naive_lse[rows], exact_lse[rows], dtype), label + "lse")
+    if grads is not None:
+        want, bounds = grad_tolerances(q, k, v, do.detach(), scale, dtype, mask, score_fn)
+        for name, got, w, bound in zip(("dq", "dk", "dv"), grads, want, bounds):
+            assert_close(got, w, bound, label + name)
+
+
+def run(q, k, v, grad, **kw):
+    """(out, lse, (dq, dk, dv)) of one cuDNN call for the cotangent `grad`."""
     import fused_attn
 
-    out, lse = fused_attn.dot_product_attention(q, k, v, backend=backend, return_lse=True, **kw)
+    out, lse = fused_attn.dot_product_attention(q, k, v, backend="cudnn", return_lse=True, **kw)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     return out, lse, grads
 
 
 def compare(fmt, dtype, b=2, h=4, hkv=4, sq=128, skv=128, d=64, dv=64, make_inputs=None, **kw):
+    """One cuDNN call (out, lse, gradients) in `fmt` against the float64 reference."""
     q, k, v = make(fmt, b, h, sq, d, dtype), make(fmt, b, hkv, skv, d, dtype), make(fmt, b, hkv, skv, dv, dtype)
     if make_inputs is not None:
         q, k, v = make_inputs(q, k, v)
     grad = torch.randn(*q.shape[:-1], dv, device="cuda", dtype=dtype)
-    out, lse, grads = run("cudnn", q, k, v, grad, **kw)
-    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    out_r, lse_r, grads_r = run("reference", qf, kf, vf, grad.float(), **kw)
-    tol = 4 * dtype_error(q, k, v, fmt, dtype) + 1e-3
-    assert out.shape == out_r.shape and out.dtype == dtype
-    assert not out.isnan().any() and not any(g.isnan().any() for g in grads)
-    assert rel(out, out_r) < tol, ("out", rel(out, out_r), tol)
-    finite = torch.isfinite(lse_r)
-    assert torch.equal(torch.isfinite(lse), finite)
-    assert rel(lse[finite], lse_r[finite]) < tol
-    for name, g, gr, t in zip("qkv", grads, grads_r, (q, k, v)):
+    out, lse, grads = run(q, k, v, grad, qkv_format=fmt, **kw)
+    assert out.dtype == dtype
+    for g, t in zip(grads, (q, k, v)):
         assert g.shape == t.shape
-        assert rel(g, gr) < 2 * tol, (f"d{name}", rel(g, gr), tol)
+    out_l, q_l, k_l, v_l, do_l = (to_logical(t, fmt) for t in (out, q, k, v, grad))
+    scale = kw.get("softmax_scale") or 1 / math.sqrt(q_l.shape[-1])
+    mask = allowed_mask(q_l.shape[2], k_l.shape[2], **kw)
+    check(out_l, q_l, k_l, v_l, scale, mask, lse=lse, grads=[to_logical(g, fmt) for g in grads], do=do_l)
     return out, grads
 
 
@@ -222,8 +256,8 @@ def test_score_mod_without_backward_raises_at_backward():
     q, k, v = (make("bshd", 1, 2, 128, 64, torch.bfloat16) for _ in range(3))
     with torch.no_grad():  # forward only: served by cuDNN
         out = fused_attn.dot_product_attention(q, k, v, backend="cudnn", score_mod=Fwd())
-    ref = fused_attn.dot_product_attention(*(t.detach().float() for t in (q, k, v)), backend="reference", score_mod=Fwd())
-    assert rel(out, ref) < 2e-2
+    half = lambda s, *_: s * 0.5
+    check(to_logical(out, "bshd"), *(to_logical(t, "bshd") for t in (q, k, v)), 1 / math.sqrt(64), score_fn=half)
     # gradients required: refused up front (auto would pick the reference), not after the forward
     with pytest.raises(NotImplementedError, match="fwd_only_scale.*no correct cuDNN backward"):
         fused_attn.dot_product_attention(q, k, v, backend="cudnn", score_mod=Fwd())

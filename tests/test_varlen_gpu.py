@@ -1,26 +1,21 @@
-"""Packed (thd) batches on cuDNN vs the reference backend, per sequence; graph-build counts."""
+"""Packed (thd) batches on cuDNN, each sequence against the float64 reference with the project's
+tolerance rule (`fused_attn.testing`); graph-build counts."""
+
+import functools
+import math
 
 import pytest
 import torch
+
+from conftest import band_mask
+from fused_attn.testing import assert_close, bound_from, grad_tolerances, reference_attention, tolerance
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-
-def rel(a, b, floor=1e-12):
-    """norm(a - b) / max(norm(b), floor): a relative error that stays meaningful where b is ~0."""
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(floor)).item()
-
-
-def slice_floor(whole, nseq):
-    """Floor for per-sequence errors: 1% of the whole tensor's norm spread over its sequences.
-
-    A sequence whose reference slice is ~0 (a query that sees one key has dq == 0) is then judged
-    against the batch's scale instead of its own, where a 1e-7 difference would read as 1e6.
-    """
-    return max(1e-2 * whole.double().norm().item() / nseq ** 0.5, 1e-12)
+CAUSAL_TYPES = ("causal", "causal_bottom_right", "padding_causal")
 
 
 def cu(lens, gap=0):
@@ -31,17 +26,56 @@ def cu(lens, gap=0):
     return torch.tensor(out, dtype=torch.int32, device="cuda")
 
 
-def dtype_error(dtype):
-    """Relative error of torch's same-dtype math attention vs fp32 on random inputs."""
-    q, k, v = (torch.randn(1, 4, 256, 64, device="cuda") for _ in range(3))
-    attn = lambda x, y, z: torch.softmax(x @ y.transpose(-1, -2) / 8.0, -1) @ z
-    return rel(attn(q.to(dtype), k.to(dtype), v.to(dtype)), attn(q, k, v))
+@functools.lru_cache(maxsize=None)
+def sequence_mask(lq, lkv, attn_mask_type="no_mask", window_size=None):
+    """Bool (Lq, Lkv) mask (True = attend) of one packed sequence, or None for every key.
+
+    As documented by `dot_product_attention`: -left <= j - (i + shift) <= right, with right = 0
+    for the causal types and shift = Lkv - Lq (this sequence's lengths) for causal_bottom_right;
+    with thd the padding types equal their twins.
+    """
+    left, right = window_size or (-1, -1)
+    if attn_mask_type in CAUSAL_TYPES:
+        right = 0
+    if left == right == -1:
+        return None
+    return band_mask(lq, lkv, left, right, attn_mask_type == "causal_bottom_right")
 
 
-def run(backend, q, k, v, grad, **kw):
+def seq(t, start, n):
+    """Tokens start..start+n of a packed (T, H, D) tensor as a logical (1, H, n, D) view."""
+    return t[start:start + n].transpose(0, 1)[None]
+
+
+def outside(offsets, lens, total):
+    """(total,) bool: the packed rows that belong to no sequence."""
+    rest = torch.ones(total, dtype=torch.bool, device="cuda")
+    for start, n in zip(offsets, lens):
+        rest[start:start + n] = False
+    return rest
+
+
+def check(out, lse, grads, q, k, v, do, scale, mask=None, label=""):
+    """Logical (B, H, S, D) out, lse (B, H, Sq) and grads of (q, k, v) for cotangent `do` against
+    float64 with the tolerance rule; lse rows without an allowed key must be -inf in both, the
+    bound comes from the naive same-dtype lse of the rows that have one."""
+    q, k, v, do = (t.detach() for t in (q, k, v, do))
+    dtype = q.dtype
+    exact, exact_lse = reference_attention(q, k, v, scale, mask)
+    assert_close(out, exact, tolerance(q, k, v, scale, dtype, mask), label + "out")
+    _, naive_lse = reference_attention(q, k, v, scale, mask, dtype=dtype, softmax_dtype=torch.float32)
+    rows = torch.isfinite(exact_lse)
+    assert_close(lse, exact_lse, bound_from(naive_lse[rows], exact_lse[rows], dtype), label + "lse")
+    want, bounds = grad_tolerances(q, k, v, do, scale, dtype, mask)
+    for name, got, w, bound in zip(("dq", "dk", "dv"), grads, want, bounds):
+        assert_close(got, w, bound, label + name)
+
+
+def run(q, k, v, grad, **kw):
+    """(out, lse, (dq, dk, dv)) of one cuDNN call for the cotangent `grad`."""
     import fused_attn
 
-    out, lse = fused_attn.dot_product_attention(q, k, v, qkv_format="thd", backend=backend, return_lse=True, **kw)
+    out, lse = fused_attn.dot_product_attention(q, k, v, qkv_format="thd", backend="cudnn", return_lse=True, **kw)
     return out, lse, torch.autograd.grad(out, (q, k, v), grad)
 
 
@@ -73,35 +107,23 @@ def test_thd_vs_reference(case, dtype):
     k = torch.randn(tkv, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(tkv, hkv, dv, device="cuda", dtype=dtype, requires_grad=True)
     grad = torch.randn(tq, h, dv, device="cuda", dtype=dtype)
-    out, lse, grads = run("cudnn", q, k, v, grad, **kw)
-    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    out_r, lse_r, grads_r = run("reference", qf, kf, vf, grad.float(), **kw)
-    tol = 4 * dtype_error(dtype) + 1e-3
+    out, lse, grads = run(q, k, v, grad, **kw)
     assert lse.shape == (h, tq)
-    assert not out.isnan().any() and not any(g.isnan().any() for g in grads)
-    off_q = cq.tolist()
-    nseq = len(lens_q)
-    fl_out, fl_dq = slice_floor(out_r, nseq), slice_floor(grads_r[0], nseq)
-    fl_lse = slice_floor(lse_r[torch.isfinite(lse_r)], nseq)
-    for b, n in enumerate(lens_q):  # per sequence
-        if n == 0:
+    off_q, off_kv = cq.tolist(), ckv.tolist()
+    for b, (lq, lkv) in enumerate(zip(lens_q, lens_kv)):  # per sequence
+        if lq == 0:
             continue
-        sl = slice(off_q[b], off_q[b] + n)
-        err = rel(out[sl], out_r[sl], fl_out)
-        assert err < tol, ("out", b, err, tol)
-        fin = torch.isfinite(lse_r[:, sl])
-        assert torch.equal(torch.isfinite(lse[:, sl]), fin)
-        err = rel(lse[:, sl][fin], lse_r[:, sl][fin], fl_lse)
-        assert err < tol, ("lse", b, err, tol)
-        err = rel(grads[0][sl], grads_r[0][sl], fl_dq)
-        assert err < 2 * tol, ("dq", b, err, tol)
-    for g, gr in zip(grads[1:], grads_r[1:]):
-        assert rel(g, gr) < 2 * tol
+        a, c = off_q[b], off_kv[b]
+        mask = sequence_mask(lq, lkv, case.get("attn_mask_type", "no_mask"), case.get("window_size"))
+        got = [seq(grads[0], a, lq), seq(grads[1], c, lkv), seq(grads[2], c, lkv)]
+        check(seq(out, a, lq), lse[:, a:a + lq][None], got, seq(q, a, lq), seq(k, c, lkv), seq(v, c, lkv),
+              seq(grad, a, lq), 1 / math.sqrt(d), mask, f"sequence {b} ")
     if gap:  # nothing written between sequences
-        real = torch.zeros(tq, dtype=torch.bool, device="cuda")
-        for b, n in enumerate(lens_q):
-            real[off_q[b]:off_q[b] + n] = True
-        assert out[~real].abs().max() == 0 and grads[0][~real].abs().max() == 0
+        rest_q, rest_kv = outside(off_q, lens_q, tq), outside(off_kv, lens_kv, tkv)
+        for name, t, rest in (("out", out, rest_q), ("dq", grads[0], rest_q), ("dk", grads[1], rest_kv),
+                              ("dv", grads[2], rest_kv)):
+            assert_close(t[rest], torch.zeros_like(t[rest]), 0.0, f"{name} between sequences")
+        assert_close(lse[:, rest_q], torch.full_like(lse[:, rest_q], -math.inf), 0.0, "lse between sequences")
 
 
 def test_graph_builds_bounded_over_random_batches():
