@@ -1,13 +1,37 @@
 #!/usr/bin/env bash
-# Run the GPU test suite and the benchmark suite on a CUDA machine; logs and tables go to $1.
-# Usage: bash benchmarks/gpu_suite.sh OUTDIR [quick|full]
+# The GPU half of the checks on a CUDA machine: the gpu-marked tests (the distributed ones when two
+# or more GPUs are present), then the benchmarks; logs, tables and CSVs go to OUTDIR.
+# Usage: bash benchmarks/gpu_suite.sh OUTDIR [quick|full] [all|tests|bench]
 set -uo pipefail
-out=${1:?usage: gpu_suite.sh OUTDIR [quick|full]}
+out=${1:?usage: gpu_suite.sh OUTDIR [quick|full] [all|tests|bench]}
 mode=${2:-quick}
+what=${3:-all}
 mkdir -p "$out"
-python3 -c "import torch, cudnn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', cudnn.backend_version_string(), 'frontend', cudnn.__version__, torch.cuda.get_device_name())" | tee "$out/versions.txt"
-python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE 2>&1 | tee "$out/gpu_tests.log" | tail -40
-rc=${PIPESTATUS[0]}
-if [ "$mode" = quick ]; then flag=--quick; else flag=; fi
-python3 -m fused_attn bench all $flag --out "$out" 2>&1 | tee "$out/bench.log" | tail -80
+python3 -c "import torch, cudnn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', cudnn.backend_version_string(), 'frontend', cudnn.__version__, torch.cuda.get_device_name(), 'x', torch.cuda.device_count())" | tee "$out/versions.txt"
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+rc=0
+if [ "$what" != bench ]; then
+    extra=()
+    if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n 4); fi  # a crashing test costs one worker
+    if python3 -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout 300); fi
+    python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE "${extra[@]}" \
+        --ignore tests/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1
+    tail -45 "$out/gpu_tests.log"
+    if [ "$ngpu" -ge 2 ]; then
+        python3 -m pytest -q -m gpu tests/test_distributed_gpu.py -p no:cacheprovider -rfE \
+            > "$out/gpu_distributed_tests.log" 2>&1 || rc=1
+        tail -15 "$out/gpu_distributed_tests.log"
+    fi
+fi
+if [ "$what" != tests ]; then
+    if [ "$mode" = quick ]; then flag=--quick; else flag=; fi
+    for suite in host varlen mods dense models; do
+        python3 -m fused_attn bench "$suite" $flag --out "$out" > "$out/bench_$suite.log" 2>&1 || rc=1
+        tail -60 "$out/bench_$suite.log"
+    done
+    if [ "$ngpu" -ge 2 ]; then
+        python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_cp.py $flag --out "$out" > "$out/bench_cp.log" 2>&1 || rc=1
+        tail -30 "$out/bench_cp.log"
+    fi
+fi
 exit $rc

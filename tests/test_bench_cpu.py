@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fused_attn.bench import cpu_smoke, main
-from fused_attn.bench.common import (Group, Impl, ImplWrongError, attn_flops, check_impl, gpu_slug,
-                                     reference_attention, tolerances, varlen_flops)
+from fused_attn.bench import cpu_smoke, dense, host, main
+from fused_attn.bench.common import (Group, Impl, ImplWrongError, attn_flops, check_impl, gpu_slug, naive_attention,
+                                     reference_and_bounds, varlen_flops)
 from fused_attn.bench.runner import run_config
+from fused_attn.testing import bound_from, max_error
 from fused_attn.bench.varlen import _doc_bounds, cu_seqlens, random_lengths
 
 
@@ -30,10 +31,16 @@ def test_cpu_smoke_checks_times_and_writes_csv(tmp_path):
     assert {r["suite"] for r in timed} == {"dense", "mods", "varlen"}
     for r in timed:
         assert float(r["ms"]) > 0 and float(r["tflops"]) > 0
-        assert 0 <= float(r["max_err"]) < 0.05, r
+        # absolute error vs the float64 reference, within the bf16 bound, which is itself small
+        assert 0 < float(r["max_err"]) <= float(r["bound"]) < 0.1, r
+        assert r["worst"] == "out" if r["mode"] == "fwd" else r["worst"] in ("out", "dq", "dk", "dv"), r
     assert {r["impl"] for r in rows if r["suite"] == "dense"} == {"fused_attn", "torch_sdpa_math"}
     rebuild = [r for r in rows if r["mode"] == "rebuild"]
     assert len(rebuild) == 1 and rebuild[0]["builds_delta"] == "0"
+    assert 0 < float(rebuild[0]["max_err"]) <= float(rebuild[0]["bound"])
+    host_fwd = [r for r in rows if r["suite"] == "host" and r["mode"] == "fwd"]
+    assert host_fwd and all(0 < float(r["max_err"]) <= float(r["bound"]) < 0.1 for r in host_fwd)
+    assert "float64 reference" in (tmp_path / "smoke_cpu.md").read_text()
     host = {(r["mode"], r["impl"]) for r in rows if r["suite"] == "host" and r.get("us_per_call")}
     assert host == {("fwd", "fused_attn functional"), ("fwd", "fused_attn module"), ("fwd", "fused_attn functional softcap"),
                     ("fwd", "fused_attn functional softcap + causal"), ("fwd+bwd", "fused_attn functional"),
@@ -64,47 +71,90 @@ def test_flops_formulas():
     assert want < 4.0 * 16 * 64 * 3 * 2048 ** 2  # never B * max_S^2
 
 
-def test_reference_attention_matches_torch_float64():
+def _bhsd(g, b, h, s, d, dtype=torch.float64):
+    return torch.randn(b, h, s, d, generator=g, dtype=dtype)
+
+
+def test_naive_attention_matches_torch_float64_with_grads():
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 33, 16, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 2, 33, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    q, do = _bhsd(g, 2, 4, 33, 16), _bhsd(g, 2, 4, 33, 16)
+    k, v = _bhsd(g, 2, 2, 33, 16), _bhsd(g, 2, 2, 33, 16)
     mask = torch.ones(33, 33, dtype=torch.bool).tril()
-    got = reference_attention(q, k, v, scale=0.25, mask=mask, dtype=torch.float64)
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
-    torch.testing.assert_close(got, want)
+    got = naive_attention(q, k, v, scale=0.25, mask=mask, dtype=torch.float64, grad_out=do)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got["out"], want.detach())
+    for name, grad in zip(("dq", "dk", "dv"), torch.autograd.grad(want, leaves, do)):
+        torch.testing.assert_close(got[name], grad)
     cap = 2.0
-    got = reference_attention(q, k, v, scale=0.25, dtype=torch.float64,
-                              score_fn=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
+    got = naive_attention(q, k, v, scale=0.25, dtype=torch.float64,
+                          score_fn=lambda s, b, h, qi, ki: cap * torch.tanh(s / cap))
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     want = torch.softmax(cap * torch.tanh(q @ kk.transpose(-1, -2) * 0.25 / cap), -1) @ vv
-    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got["out"], want)
+    assert set(got) == {"out"}
+
+
+def test_naive_attention_row_blocks_match_one_block():
+    """The large-shape path (query-row blocks, dk/dv summed over blocks) against one block, with
+    a mask, GQA and a score_fn that reads every index (offsets of the blocks)."""
+    g = torch.Generator().manual_seed(3)
+    q, do = _bhsd(g, 1, 4, 50, 8), _bhsd(g, 1, 4, 50, 8)
+    k, v = _bhsd(g, 1, 2, 50, 8), _bhsd(g, 1, 2, 50, 8)
+    mask = torch.ones(50, 50, dtype=torch.bool).tril()
+    fn = lambda s, b, h, qi, ki: s + 0.1 * h - 0.05 * (qi - ki).abs() + 0.2 * b
+    one = naive_attention(q, k, v, scale=0.3, dtype=torch.float64, mask=mask, score_fn=fn, grad_out=do)
+    blocks = naive_attention(q, k, v, scale=0.3, dtype=torch.float64, mask=mask, score_fn=fn, grad_out=do,
+                             block_scores=4 * 50 * 7)  # 7 rows a block: 8 blocks, the last one short
+    for key in ("out", "dq", "dk", "dv"):
+        torch.testing.assert_close(blocks[key], one[key], rtol=0, atol=1e-12)
+    low = naive_attention(q, k, v, scale=0.3, dtype=torch.bfloat16, mask=mask, score_fn=fn, grad_out=do,
+                          block_scores=4 * 50 * 7)
+    assert all(t.dtype == torch.bfloat16 for t in low.values())
+    for key in ("out", "dq", "dk", "dv"):  # the bf16 computation stays a bf16-accurate one
+        assert max_error(low[key], one[key]) < 0.05 * max(1.0, float(one[key].abs().max())), key
 
 
 def _ref_and_tol():
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(3))
-    ref32 = {"out": reference_attention(q, k, v, scale=0.25)}
-    low = {"out": reference_attention(q, k, v, scale=0.25, dtype=torch.bfloat16)}
-    return ref32, tolerances(ref32, low)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g, dtype=torch.bfloat16) for _ in range(3))
+    return reference_and_bounds(lambda dt: naive_attention(q, k, v, scale=0.25, dtype=dt), torch.bfloat16)
+
+
+def test_reference_and_bounds_follow_the_shared_rule():
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(1, 2, 40, 16, generator=g, dtype=torch.bfloat16) for _ in range(4))
+    compute = lambda dt: naive_attention(q, k, v, scale=0.25, dtype=dt, grad_out=do)
+    expected, bounds = reference_and_bounds(compute, torch.bfloat16)
+    same = compute(torch.bfloat16)
+    assert set(expected) == set(bounds) == {"out", "dq", "dk", "dv"}
+    for key, want in expected.items():
+        assert want.dtype == torch.float64
+        assert bounds[key] == bound_from(same[key], want, torch.bfloat16)
+        assert max_error(same[key], want) < bounds[key] < 0.1, key
 
 
 def test_check_impl_accepts_bf16_and_rejects_wrong_or_nan():
-    ref32, tol = _ref_and_tol()
-    out = ref32["out"]
+    expected, bounds = _ref_and_tol()
+    out = expected["out"]
     ok = Impl("ok", lambda: None, None, lambda: {"out": out.to(torch.bfloat16)})
-    assert check_impl(ok, ref32, tol, lambda key, t: t)["out"] < tol["out"]
+    assert check_impl(ok, expected, bounds, lambda key, t: t)["out"] < bounds["out"]
     wrong = Impl("wrong", lambda: None, None, lambda: {"out": out * 1.1})
-    with pytest.raises(ImplWrongError, match="wrong: out rel max error"):
-        check_impl(wrong, ref32, tol, lambda key, t: t)
+    with pytest.raises(ImplWrongError, match="wrong: out max abs error .* > bound .* float64 reference") as info:
+        check_impl(wrong, expected, bounds, lambda key, t: t)
+    assert info.value.key == "out" and info.value.err > info.value.bound == bounds["out"]
     nan = out.clone()
     nan[0, 0, 3, 1] = float("nan")
-    with pytest.raises(ImplWrongError, match="nan: out rel max error inf"):
-        check_impl(Impl("nan", lambda: None, None, lambda: {"out": nan}), ref32, tol, lambda key, t: t)
+    with pytest.raises(ImplWrongError, match="nan: out max abs error nan .*1 non-finite entries"):
+        check_impl(Impl("nan", lambda: None, None, lambda: {"out": nan}), expected, bounds, lambda key, t: t)
+    with pytest.raises(ImplWrongError, match=r"shape: out shape \(1, 2, 40\) != expected \(1, 2, 40, 16\)"):
+        check_impl(Impl("shape", lambda: None, None, lambda: {"out": out[..., 0]}), expected, bounds,
+                   lambda key, t: t)
 
 
 def test_run_config_does_not_time_wrong_impls_and_reports_them():
-    ref32, tol = _ref_and_tol()
-    out = ref32["out"]
+    expected, bounds = _ref_and_tol()
+    out = expected["out"]
 
     def boom():
         raise NotImplementedError("no such kernel")
@@ -113,13 +163,64 @@ def test_run_config_does_not_time_wrong_impls_and_reports_them():
              Impl("bad", lambda: out + 1, None, lambda: {"out": -out}, required=False),
              Impl("peer_crash", boom, None, boom, required=False),
              Impl("own_crash", boom, None, boom, required=True)]
-    res = run_config("t", "cfg", impls, ref32, tol, lambda key, t: t, {"fwd": 1e9}, torch.device("cpu"), modes=("fwd",))
+    res = run_config("t", "cfg", impls, expected, bounds, lambda key, t: t, {"fwd": 1e9}, torch.device("cpu"),
+                     modes=("fwd",))
+    assert expected == {}  # the reference is freed before timing
     assert len(res.failures) == 2
-    assert "bad: out rel max error" in res.failures[0] and "own_crash failed: NotImplementedError" in res.failures[1]
+    assert "bad: out max abs error" in res.failures[0] and "own_crash failed: NotImplementedError" in res.failures[1]
+    assert [r["impl"] for r in res.rows] == ["good", "bad", "peer_crash", "own_crash"]
     by = {r["impl"]: r for r in res.rows}
     assert by["good"]["ms"] > 0 and by["good"]["x_vs_good"] == 1.0 and by["good"]["x_vs_bad"] is None
+    assert by["good"]["max_err"] == 0.0 and by["good"]["bound"] == bounds["out"] and by["good"]["worst"] == "out"
     assert by["bad"]["ms"] is None and by["bad"]["note"].startswith("WRONG")
+    assert by["bad"]["max_err"] > by["bad"]["bound"] == bounds["out"]
     assert by["peer_crash"]["note"].startswith("unsupported: NotImplementedError")
+
+
+def test_dense_run_fails_on_a_subtly_wrong_fused_attn(monkeypatch):
+    """The whole dense path (slice, float64 reference, bf16 bound, check): a fused_attn that
+    gets the softmax scale 5% wrong is reported and not timed; the correct peer still is."""
+    real_impls_for = dense.impls_for
+
+    def impls_for(q, k, v, do, causal, device):
+        good = real_impls_for(q, k, v, do, causal, device)[1]  # torch_sdpa_math
+        d = q.shape[-1]
+
+        def off(a, b, c):
+            o = F.scaled_dot_product_attention(a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2),
+                                               is_causal=causal, scale=1.05 / math.sqrt(d), enable_gqa=True)
+            return o.transpose(1, 2)
+
+        return [dense._autograd_impl("fused_attn", off, q, k, v, do, True), good]
+
+    monkeypatch.setattr(dense, "impls_for", impls_for)
+    res = dense.run_one(1, 64, 4, 2, 16, True, torch.device("cpu"), seed=0)
+    assert len(res.failures) == 1 and "dense / B1 S64 H4/2 D16 causal: fused_attn: " in res.failures[0]
+    assert "max abs error" in res.failures[0] and "> bound" in res.failures[0]
+    by = {(r["impl"], r["mode"]): r for r in res.rows}
+    for mode in ("fwd", "fwd_bwd"):
+        assert by[("fused_attn", mode)]["ms"] is None and by[("fused_attn", mode)]["note"].startswith("WRONG")
+        assert by[("torch_sdpa_math", mode)]["ms"] > 0
+        assert by[("torch_sdpa_math", mode)]["max_err"] <= by[("torch_sdpa_math", mode)]["bound"]
+
+
+def test_host_run_fails_on_a_wrong_forward(monkeypatch):
+    """A fused_attn forward 2% off is a failure of the host suite and its row is not timed."""
+    real = host._forwards
+
+    def forwards(q, k, v, device):
+        fns = real(q, k, v, device)
+        good = fns["fused_attn functional"]
+        fns["fused_attn functional"] = lambda: good() * 1.02
+        return fns
+
+    monkeypatch.setattr(host, "_forwards", forwards)
+    monkeypatch.setattr(host, "host_us_per_call", lambda fn, device, calls: 1.0)  # the check, not the timing
+    monkeypatch.setattr(host, "_build_rows", lambda device: [])
+    res = host.run(True, torch.device("cpu"))
+    assert len(res.failures) == 1 and res.failures[0].startswith("host / fused_attn functional: out max abs error")
+    row = next(r for r in res.rows if r["mode"] == "fwd" and r["impl"] == "fused_attn functional")
+    assert row["us_per_call"] is None and row["note"].startswith("WRONG") and row["max_err"] > row["bound"]
 
 
 def test_group_ratios_and_peak():

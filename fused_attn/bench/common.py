@@ -1,8 +1,9 @@
 """Shared benchmark machinery: environment, timing, FLOPs, correctness checks, result writers.
 
-A benchmark suite builds `Impl`s (named closures over fixed inputs), checks each against an
-fp32 torch reference with `check_impl`, times the survivors with `time_ms`, and turns the
-timings into rows (`timing_rows`) that `write_results` stores as CSV and markdown.
+A benchmark suite builds `Impl`s (named closures over fixed inputs), checks each with
+`check_impl` against a float64 reference within the project's bound (`reference_and_bounds`, built
+on `fused_attn.testing.bound_from`), times the survivors with `time_ms`, and turns the timings into
+rows (`Group`) that `write_results` stores as CSV and markdown.
 """
 
 from __future__ import annotations
@@ -17,15 +18,34 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from fused_attn.testing import DEFAULT_FACTOR, DEFAULT_FLOOR, bound_from, max_error
+from fused_attn.testing import reference_attention as _testing_reference
+
 #: bf16 dense matmul throughput measured on the H100 (TFLOP/s); the "% of peak" denominator.
 H100_BF16_PEAK_TFLOPS = 798.0
 #: Backward costs 2.5x the forward, so forward + backward is 3.5x.
 FWD_BWD_FACTOR = 3.5
 DEFAULT_OUT = os.path.join("benchmarks", "results")
+#: The naive references are computed in blocks of query rows of at most this many scores
+#: (float64: 128 MiB a score matrix; fwd + bwd peaks at about 6-9 of them), see `naive_attention`.
+REF_BLOCK_SCORES = 1 << 24
+#: How the checks work, for the notes of the result files (every suite checks bf16 inputs).
+CHECK_RULE = (f"max_err: max |result - float64 reference| on the checked slice; bound: {DEFAULT_FACTOR:g} x the same "
+              f"error of the naive bf16 torch computation (fp32 softmax) + {DEFAULT_FLOOR[torch.bfloat16]:g} x "
+              "max(1, max|reference|) (fused_attn.testing.bound_from); worst: the checked quantity "
+              "(out, dq, dk, dv) closest to its bound")
 
 
 class ImplWrongError(RuntimeError):
-    """An implementation produced a wrong (or non-finite) result in the correctness check."""
+    """An implementation produced a wrong (or non-finite) result in the correctness check.
+
+    key, err, bound: the checked quantity, its max abs error and the bound it exceeded.
+    """
+
+    def __init__(self, message: str, *, key: Optional[str] = None, err: Optional[float] = None,
+                 bound: Optional[float] = None) -> None:
+        super().__init__(message)
+        self.key, self.err, self.bound = key, err, bound
 
 
 # ----------------------------------------------------------------------------- environment
@@ -161,66 +181,103 @@ class Impl:
     note: str = ""
 
 
-def rel_max_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max|got - want| / max|want| in fp32; inf if `got` has a NaN/inf or the shapes differ."""
-    if got.shape != want.shape:
-        return float("inf")
-    got, want = got.float(), want.float()
-    if not torch.isfinite(got).all():
-        return float("inf")
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dtype: torch.dtype,
+                    mask: Optional[torch.Tensor] = None, score_fn: Optional[Callable[..., torch.Tensor]] = None,
+                    grad_out: Optional[torch.Tensor] = None,
+                    block_scores: int = REF_BLOCK_SCORES) -> Dict[str, torch.Tensor]:
+    """`fused_attn.testing.reference_attention` in `dtype`, with its autograd gradients.
+
+    q (B, H, Sq, D), k / v (B, Hkv, Skv, D) logical, H % Hkv == 0; mask bool broadcastable to
+    (B, H, Sq, Skv), True = attend; score_fn(score, b, h, q_idx, kv_idx) with broadcast index
+    tensors. Matmuls in `dtype`, softmax in fp32 (float64 when `dtype` is float64): float64 is the
+    exact reference, bf16 the naive same-dtype computation of the project's tolerance rule.
+    Returns {"out"} and, given grad_out (B, H, Sq, Dv), also "dq", "dk", "dv"; all in `dtype`.
+
+    Computed in blocks of query rows of at most `block_scores` scores, so a float64 reference
+    holds score matrices of at most 128 MiB (about 1 GiB at its peak) whatever the checked slice;
+    dk and dv are summed over the blocks in the softmax dtype and rounded to `dtype` once (one
+    block: plain autograd).
+    """
+    b, h, sq, _ = q.shape
+    skv = k.shape[2]
+    soft = torch.float64 if dtype == torch.float64 else torch.float32
+    qd, kd, vd = (t.detach().to(dtype) for t in (q, k, v))
+    full_mask = None if mask is None else torch.broadcast_to(mask.to(q.device), (b, h, sq, skv))
+    rows = max(1, min(sq, block_scores // max(1, b * h * skv)))
+    outs: List[torch.Tensor] = []
+    dqs: List[torch.Tensor] = []
+    dk = dv = None
+    for r0 in range(0, sq, rows):
+        r1 = min(sq, r0 + rows)
+        leaves = [t.detach().requires_grad_(grad_out is not None) for t in (qd[:, :, r0:r1], kd, vd)]
+        fn = None if score_fn is None else (lambda s, bi, hi, qi, ki, _r0=r0: score_fn(s, bi, hi, qi + _r0, ki))
+        out = _testing_reference(*leaves, scale, None if full_mask is None else full_mask[:, :, r0:r1], fn,
+                                 dtype=dtype, softmax_dtype=soft)[0]
+        outs.append(out.detach())
+        if grad_out is not None:
+            gq, gk, gv = torch.autograd.grad(out, leaves, grad_out[:, :, r0:r1].to(dtype))
+            dqs.append(gq)
+            dk = gk.to(soft) if dk is None else dk.add_(gk)
+            dv = gv.to(soft) if dv is None else dv.add_(gv)
+        del out, leaves
+    result = {"out": torch.cat(outs, dim=2)}
+    if grad_out is not None:
+        result.update(dq=torch.cat(dqs, dim=2), dk=dk.to(dtype), dv=dv.to(dtype))
+    return result
 
 
-def tolerances(ref32: Dict[str, torch.Tensor], ref_low: Dict[str, torch.Tensor],
-               factor: float = 3.0, floor: float = 1e-2) -> Dict[str, float]:
-    """Per output: factor * (same-dtype torch reference error vs fp32) + floor."""
-    return {k: factor * rel_max_err(ref_low[k], ref32[k]) + floor for k in ref32}
+def reference_and_bounds(compute: Callable[[torch.dtype], Dict[str, torch.Tensor]],
+                         dtype: torch.dtype) -> Tuple[Dict[str, torch.Tensor], Dict[str, float]]:
+    """(expected, bounds) of a correctness check, by the project's rule (`fused_attn.testing`).
+
+    compute(dt): the suite's naive computation (see `naive_attention`) on the checked slice of
+    the inputs, in dt. expected = compute(float64); bounds[key] = `bound_from(compute(dtype)[key],
+    expected[key], dtype)`: DEFAULT_FACTOR x the max error of the same computation in the inputs'
+    dtype, plus the dtype's floor x max(1, max|expected|). The same-dtype results are freed here.
+    """
+    expected = compute(torch.float64)
+    same = compute(dtype)
+    bounds = {key: bound_from(same[key], expected[key], dtype) for key in expected}
+    del same
+    return expected, bounds
 
 
-def check_impl(impl: Impl, ref32: Dict[str, torch.Tensor], tol: Dict[str, float],
+def check_tensor(name: str, key: str, got: torch.Tensor, want: torch.Tensor, bound: float) -> float:
+    """max |got - want| (`fused_attn.testing.max_error`); raises ImplWrongError naming `name`,
+    `key`, the error and the bound when the shapes differ or the error is above `bound` (NaN is)."""
+    if tuple(got.shape) != tuple(want.shape):
+        raise ImplWrongError(f"{name}: {key} shape {tuple(got.shape)} != expected {tuple(want.shape)}",
+                             key=key, err=float("inf"), bound=bound)
+    err = max_error(got, want)
+    if not err <= bound:
+        bad = int((~torch.isfinite(got.detach())).sum())
+        extra = f" ({bad} non-finite entries)" if bad else ""
+        raise ImplWrongError(f"{name}: {key} max abs error {err:.3g} > bound {bound:.3g} "
+                             f"vs the float64 reference{extra}", key=key, err=err, bound=bound)
+    return err
+
+
+def check_impl(impl: Impl, expected: Dict[str, torch.Tensor], bounds: Dict[str, float],
                select: Callable[[str, torch.Tensor], torch.Tensor]) -> Dict[str, float]:
-    """Compare `impl.outputs()` (sliced by `select(key, tensor)`) to the fp32 reference.
+    """Compare `impl.outputs()` (sliced by `select(key, tensor)`) with the float64 `expected`.
 
-    Returns the relative max error per key; raises ImplWrongError naming the impl, the output,
-    the error and the tolerance when one is too large.
+    Returns the max abs error per key; raises ImplWrongError (see `check_tensor`) when one is
+    above its bound.
     """
     outs = impl.outputs()
-    errs = {}
-    for key, want in ref32.items():
-        if key not in outs:
-            continue
-        errs[key] = rel_max_err(select(key, outs[key]), want)
-        if not errs[key] <= tol[key]:
-            raise ImplWrongError(f"{impl.name}: {key} rel max error {errs[key]:.3g} > tolerance {tol[key]:.3g}")
-    return errs
+    return {key: check_tensor(impl.name, key, select(key, outs[key]), want, bounds[key])
+            for key, want in expected.items() if key in outs}
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                        score_fn: Optional[Callable[..., torch.Tensor]] = None,
-                        mask: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """softmax(score_fn(scale * q k^T) masked) v computed in `dtype` (softmax in fp32).
-
-    q (B, H, Sq, D), k / v (B, Hkv, Skv, D) with H % Hkv == 0; mask broadcastable to
-    (B, H, Sq, Skv), True = keep; score_fn(score, b, h, q_idx, kv_idx) with broadcast index
-    tensors. Rows with no kept key give 0. Returns (B, H, Sq, D) in `dtype`.
-    """
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if score_fn is not None:
-        dev = q.device
-        b = torch.arange(q.shape[0], device=dev).view(-1, 1, 1, 1)
-        h = torch.arange(q.shape[1], device=dev).view(1, -1, 1, 1)
-        qi = torch.arange(q.shape[2], device=dev).view(1, 1, -1, 1)
-        ki = torch.arange(k.shape[2], device=dev).view(1, 1, 1, -1)
-        s = score_fn(s.float(), b, h, qi, ki).to(dtype)
-    s = s.float()
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return p.to(dtype) @ v
+def worst_error(errs: Dict[str, float], bounds: Dict[str, float],
+                keys: Optional[Sequence[str]] = None) -> Tuple[Optional[str], Optional[float], Optional[float]]:
+    """(key, error, bound) of the checked quantity closest to its bound (largest error / bound)
+    among `keys` (default: all of `errs`); (None, None, None) when there is none."""
+    cand = [k for k in (keys if keys is not None else errs) if k in errs]
+    if not cand:
+        return None, None, None
+    key = max(cand, key=lambda k: errs[k] / bounds[k] if bounds[k] > 0 else float("inf"))
+    return key, errs[key], bounds[key]
 
 
 # ----------------------------------------------------------------------------- rows and writers
@@ -234,13 +291,16 @@ class Group:
     flops: Optional[float]
     rows: List[Dict[str, object]] = field(default_factory=list)
 
-    def add(self, impl: str, ms: Optional[float], max_err: Optional[float], note: str = "") -> None:
+    def add(self, impl: str, ms: Optional[float], max_err: Optional[float], note: str = "", *,
+            bound: Optional[float] = None, worst: Optional[str] = None) -> None:
+        """One row; max_err: absolute error vs the float64 reference, bound: its bound, worst:
+        the checked quantity they belong to."""
         row: Dict[str, object] = {"suite": self.suite, "config": self.config, "mode": self.mode,
                                   "impl": impl, "ms": ms, "tflops": None, "pct_peak": None}
         if ms is not None and self.flops:
             tflops = self.flops / (ms * 1e-3) / 1e12
             row["tflops"], row["pct_peak"] = tflops, 100.0 * tflops / H100_BF16_PEAK_TFLOPS
-        row["max_err"] = max_err
+        row["max_err"], row["bound"], row["worst"] = max_err, bound, worst
         row["note"] = note
         self.rows.append(row)
 
@@ -310,7 +370,7 @@ def write_results(suite: str, rows: Sequence[Dict[str, object]], env: Dict[str, 
         f.write(f"# {suite} benchmark\n\n{env_line(env)}\n\n")
         f.write(f"ms: median per call; tflops over real work; pct_peak: % of {H100_BF16_PEAK_TFLOPS:g} TFLOP/s "
                 "(H100 bf16 matmul, measured); x_vs_P: P's ms / this ms (above 1 = faster than P); "
-                "max_err: max|err| / max|ref| vs an fp32 torch reference.\n\n")
+                f"{CHECK_RULE}.\n\n")
         for note in notes:
             f.write(f"- {note}\n")
         f.write("\n" + markdown_table(rows) + "\n")

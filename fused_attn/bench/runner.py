@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import Group, Impl, ImplWrongError, check_impl, time_ms
+from .common import Group, Impl, ImplWrongError, check_impl, time_ms, worst_error
 
 
 @dataclass
@@ -24,40 +24,45 @@ class SuiteResult:
         self.notes += other.notes
 
 
-def run_config(suite: str, config: str, impls: Sequence[Impl], ref32: Dict[str, torch.Tensor],
-               tol: Dict[str, float], select: Callable[[str, torch.Tensor], torch.Tensor],
+def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[str, torch.Tensor],
+               bounds: Dict[str, float], select: Callable[[str, torch.Tensor], torch.Tensor],
                flops: Dict[str, Optional[float]], device: torch.device, *, modes: Sequence[str] = ("fwd", "fwd_bwd"),
                rep_ms: float = 100.0) -> SuiteResult:
-    """Check every impl against `ref32` (within `tol`), then time it in each mode.
+    """Check every impl against the float64 `expected` values (max abs error within `bounds`, see
+    `common.reference_and_bounds`), then time the impls that passed in each mode.
 
-    A wrong result, or a crash of a `required` impl, is recorded in `failures` and the impl is not
-    timed; a crashing peer gets a row with its error in `note`. Returns rows with peer ratios.
+    All impls are checked first; then `expected` is emptied, so the reference is freed before
+    anything is timed. A wrong result (any impl), or a crash of a `required` impl, is recorded in
+    `failures` and the impl is not timed; a crashing peer gets a row with its error in `note`.
+    Rows (in impl order, with peer ratios) carry max_err, bound and worst: for fwd the output's,
+    for fwd_bwd those of the checked quantity closest to its bound.
     """
     result = SuiteResult()
     groups = {m: Group(suite, config, m, flops.get(m)) for m in modes}
+    checked: List[Tuple[Impl, Dict[str, float], Optional[Dict[str, object]]]] = []  # impl, errs, row if bad
     for impl in impls:
         try:
-            errs = check_impl(impl, ref32, tol, select)
+            checked.append((impl, check_impl(impl, expected, bounds, select), None))
         except ImplWrongError as exc:
             result.failures.append(f"{suite} / {config}: {exc}")
-            for g in groups.values():
-                g.add(impl.name, None, None, note="WRONG: " + str(exc))
-            continue
+            checked.append((impl, {}, dict(max_err=exc.err, bound=exc.bound, worst=exc.key, note="WRONG: " + str(exc))))
         except Exception as exc:  # the impl could not run this configuration
             msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
             if impl.required:
                 result.failures.append(f"{suite} / {config}: {impl.name} failed: {msg}")
-            for g in groups.values():
-                g.add(impl.name, None, None, note=("FAILED: " if impl.required else "unsupported: ") + msg)
-            continue
+            note = ("FAILED: " if impl.required else "unsupported: ") + msg
+            checked.append((impl, {}, dict(max_err=None, note=note)))
+    expected.clear()  # free the reference before timing
+    for impl, errs, bad in checked:
         for mode, g in groups.items():
             fn = impl.fwd if mode == "fwd" else impl.fwd_bwd
-            if fn is None:
+            if bad is not None:
+                g.add(impl.name, None, **bad)
+            elif fn is None:
                 g.add(impl.name, None, None, note="no backward")
-                continue
-            keys = ["out"] if mode == "fwd" else list(errs)
-            err = max((errs[k] for k in keys if k in errs), default=None)
-            g.add(impl.name, time_ms(fn, device, rep_ms=rep_ms), err, note=impl.note)
+            else:
+                key, err, bound = worst_error(errs, bounds, ["out"] if mode == "fwd" else None)
+                g.add(impl.name, time_ms(fn, device, rep_ms=rep_ms), err, note=impl.note, bound=bound, worst=key)
     for g in groups.values():
         result.rows += g.finish()
     return result
