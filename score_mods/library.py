@@ -20,7 +20,7 @@ Factories name their mods with their values, attention-gym style: softcap(30.0).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -88,6 +88,15 @@ def causal() -> TracedMod:
 def causal_bottom_right() -> TracedMod:
     """Bottom-right causal mask: j <= i + kv_len - q_len (the last query sees every key)."""
     return _as_band(_causal_br, None, 0, True)
+
+
+def band_of(root: Any) -> Optional[Tuple[Optional[int], int, bool]]:
+    """The native band (left, right, bottom_right) an expression graph is exactly equal to
+    (structurally: the library's causal masks), or None."""
+    for mod, band in ((_causal, (None, 0, False)), (_causal_br, (None, 0, True))):
+        if root == mod.root:
+            return band
+    return None
 
 
 def padding_mask() -> TracedMod:

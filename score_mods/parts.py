@@ -106,7 +106,7 @@ def split_additive_bias(mod) -> Tuple[Optional[object], Optional[object]]:
     bias = [(s, n) for s, n in terms if _is_bias_term(n)]
     if not bias:
         return mod, None
-    rest = [(s, n) for s, n in terms if not _is_bias_term(n)]
+    rest = [(s, n) for s, n in terms if not _is_bias_term(n) and not (n.op == "const" and n.attr == 0)]
     g = _sum(bias)
     if g.dtype != "f":
         g = Node("add", (g, const(0.0)), dtype="f")
@@ -116,7 +116,13 @@ def split_additive_bias(mod) -> Tuple[Optional[object], Optional[object]]:
         f = Node("add", (f, const(0.0)), dtype="f")
     if not chain and f.op == "score":
         return None, bias_part
-    return _part(mod, rebuild_chain(chain, f), "score"), bias_part
+    score_part = _part(mod, rebuild_chain(chain, f), "score")
+    from .library import band_of
+
+    band = band_of(score_part.root)
+    if band is not None:  # a causal mask around the score: the backend's own band, not a score_mod
+        score_part.native_band = band
+    return score_part, bias_part
 
 
 def trainable(mod) -> Dict[str, Trainable]:

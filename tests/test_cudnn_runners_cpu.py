@@ -273,3 +273,19 @@ def test_cudnn_runner_through_the_custom_ops_under_compile(stub, kw):
     assert out.shape == q.shape
     out.float().sum().backward()
     assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
+def test_trained_bias_under_a_causal_mask_runs_as_band_plus_bias(stub):
+    """A learned table added under a causal mask (T5 decoder style): the mask becomes cuDNN's own
+    band and the table its bias input, so dBias has no score_mod callback beside it."""
+    @sm.score_mod
+    def t5_causal(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
+        s = score + table[h, (q_idx - kv_idx).clamp(0, 7)]
+        return sm.where(kv_idx <= q_idx, s, float("-inf"))
+
+    table = torch.randn(2, 8, requires_grad=True)
+    q, k, v = (bf16(1, 128, 2, 64) for _ in range(3))
+    runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=t5_causal(table=table))
+    low = runner.lowering
+    assert low.graph_mod is None and low.band is not None and low.band[2] is False and low.bias == "dense"
+    full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [(2, 8)])

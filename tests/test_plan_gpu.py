@@ -349,3 +349,23 @@ def test_persistent_cache_warm_start_in_a_fresh_process(tmp_path):
     assert loaded["store"]["skipped_corrupt"] == 0 and loaded["store"]["skipped_mismatch"] == 0
     print("persistent cache first call ms (build -> load):",
           {n: (round(stored["first_call_ms"][n], 1), round(ms, 1)) for n, ms in loaded["first_call_ms"].items()})
+
+
+def test_lse_given_backward_with_strided_views_of_out_and_inputs():
+    """attention_backward from an output that is a view into a larger buffer (a context-parallel
+    accumulator: batch stride != S*H*D) and from query views along the sequence: the graph reads
+    O in the forward's layout, so such views must be laid out first (were read with the wrong
+    strides for B > 1)."""
+    from fused_attn.functional import attention_backward, attention_forward
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    full = [torch.randn(2, 512, 4, 64, device="cuda", dtype=DT, generator=g) for _ in range(3)]
+    q = full[0].narrow(1, 256, 256)
+    k, v = full[1].narrow(1, 0, 256), full[2].narrow(1, 0, 256)
+    do = torch.randn(2, 256, 4, 64, device="cuda", dtype=DT, generator=g)
+    out, lse = attention_forward(q, k, v, attn_mask_type="causal", backend="cudnn")
+    big = torch.zeros(2, 512, 4, 64, device="cuda", dtype=DT)
+    big.narrow(1, 256, 256).copy_(out)
+    grads = attention_backward(q, k, v, big.narrow(1, 256, 256), lse, do, attn_mask_type="causal", backend="cudnn")
+    m = torch.ones(256, 256, dtype=torch.bool, device="cuda").tril()
+    check_dense(out, grads[:3], q, k, v, do, 0.125, m)

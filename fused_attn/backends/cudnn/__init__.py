@@ -88,11 +88,18 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
         if name not in bias_names or (fact is not None and not fact.bias_only):
             return (f"score_mod tensor parameter {name!r} requires grad, but cuDNN gives gradients only to an "
                     "additive bias term (score_mod(score) + g(tables, positions), as post_scale_bias)")
-        if score_part is not None:
+        if score_part is not None and not _runs_as_band(score_part, problem):
             return (f"score_mod tensor parameter {name!r} requires grad next to another score_mod term: cuDNN's dBias "
                     "is wrong when the graph also has a score_mod callback (measured on cuDNN 9.19); train the bias "
                     "alone (post_scale_bias) or use backend='reference'")
     return None
+
+
+def _runs_as_band(score_part: Any, problem: Any) -> bool:
+    """The non-bias part is a causal mask the lowering runs as cuDNN's own band (no callback)."""
+    native = getattr(score_part, "native_band", None)
+    band = problem.spec.band
+    return native is not None and not problem.spec.padding and (band is None or tuple(band) == tuple(native))
 
 
 def _tensor_axes(mod: Any) -> dict:

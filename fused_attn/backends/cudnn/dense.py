@@ -262,6 +262,8 @@ class DenseRunner:
         """The backward from the call's arguments (the custom-op path, which keeps no state;
         `rng`: the forward's dropout seed and offset)."""
         (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks, rng)
+        if not out.is_contiguous():  # the graph reads O (and dO) in the layout the forward writes
+            out = out.contiguous()
         saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
         return self.backward((bind, seqs, bias is not None, sinks is not None, mod), saved, grad_out)
 

@@ -151,6 +151,10 @@ def plan_lowering(spec: Any, mod: Any, dims: Tuple[int, int, int, int], has_leng
         bias = bias_mode(mod, trained)
         if bias is not None:
             mod = split(mod)[0]
+            native = None if mod is None else getattr(mod, "native_band", None)
+            if native is not None and (band is None or band == Band(*native)) and not padding:
+                # bias + a causal mask: cuDNN's band next to its bias input, no score_mod callback
+                return Lowering(_normalized_band(Band(*native), sq, skv), False, None, None, "", {}, bias, dims)
     if mod is None:
         return Lowering(_normalized_band(band, sq, skv), padding, None, None, "", {}, bias, dims)
     mask = _mask_mod(band, padding)

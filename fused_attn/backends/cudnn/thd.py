@@ -108,6 +108,8 @@ class ThdRunner:
         """The backward from the call's arguments (the custom-op path, which keeps no state;
         `rng`: the forward's dropout seed and offset)."""
         (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks, rng)
+        if not out.is_contiguous():  # the graph reads O (and dO) in the layout the forward writes
+            out = out.contiguous()
         saved = (q, k, v, out, stats) + (() if sinks is None else (sinks,))
         return self.backward((bind, thd, sinks is not None), saved, grad_out)
 
