@@ -422,3 +422,27 @@ def _spec_of(mod):
     from fused_attn.spec import resolve_spec
 
     return resolve_spec(score_mod=mod, backend="reference")[0]
+
+
+def test_thd_context_parallelism_is_refused_on_cudnn(tmp_path):
+    """Measured wrong on 2x H200 (cuDNN 9.19): thd under context parallelism with cuDNN is refused
+    before any communication; the reference backend keeps serving it (the multi-process tests)."""
+    import torch.distributed as dist
+
+    import fused_attn.distributed as fd
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+        q = torch.randn(16, 2, 8, dtype=torch.float64)
+        kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8,
+                  max_seqlen_kv=8)
+        with pytest.raises(NotImplementedError, match=r"packed \(thd\) batches on cuDNN"):
+            fd.context_parallel_attention(q, q, q, backend="cudnn", **kw)
+        out = fd.context_parallel_attention(q, q, q, backend="reference", **kw)
+        want = fused_attn.dot_product_attention(q, q, q, backend="reference", **kw)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

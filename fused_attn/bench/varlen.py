@@ -134,9 +134,9 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
     """doc_packed_attn (q (B, S, H, D), cu_seq (B, docs+1)) vs flex_attention with a document block mask."""
     import fused_attn
 
-    bounds = _doc_bounds(b, s, docs, seed=11)
-    lengths = (bounds[:, 1:] - bounds[:, :-1]).flatten().tolist()
-    cu_seq = bounds.to(device)
+    doc_bounds = _doc_bounds(b, s, docs, seed=11)
+    lengths = (doc_bounds[:, 1:] - doc_bounds[:, :-1]).flatten().tolist()
+    cu_seq = doc_bounds.to(device)
     q, k, v, do = [t.view(b, s, h, d) if i == 3 else t.detach().view(b, s, h, d).requires_grad_()
                    for i, t in enumerate(_packed(b * s, h, d, device, seed=5))]
     flat = lambda t: t.reshape(b * s, h, d)
@@ -155,7 +155,7 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
 
         doc_id = torch.zeros(b, s, dtype=torch.int32, device=device)
         for row in range(b):
-            doc_id[row] = torch.bucketize(torch.arange(s, device=device), bounds[row, 1:].to(device), right=True)
+            doc_id[row] = torch.bucketize(torch.arange(s, device=device), doc_bounds[row, 1:].to(device), right=True)
 
         def mask_mod(bi, hi, qi, ki):
             same = doc_id[bi, qi] == doc_id[bi, ki]
