@@ -182,14 +182,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwarg
     Returns Explanation(backend, reason, problem): e.g. ("reference", "cuDNN cannot serve it: ...",
     "qkv_format='bshd', ..."). Makes (and caches) the call plan; runs no attention.
     """
-    cfg = dict(kwargs)
-    names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
-             "max_seqlen_kv")
-    varlen = Varlen(*(cfg.pop(n, None) for n in names))
-    sinks = cfg.pop("sinks", None)
-    unknown = sorted(set(cfg) - _SPEC_ARGS)
-    if unknown:
-        raise TypeError(f"explain got unexpected keyword(s) {unknown}; it takes dot_product_attention's arguments")
+    cfg, varlen, sinks = _split_kwargs(kwargs, "explain")
     spec, mod = resolve_spec(**cfg)
     return explain_plan(spec, mod, query, key, value, _complete(spec, varlen), sinks)
 
@@ -199,7 +192,8 @@ _SPEC_ARGS = frozenset({"qkv_format", "attn_mask_type", "window_size", "softmax_
                         "deterministic", "softmax_type", "dropout_p"})
 
 
-def _split_call_kwargs(kwargs: dict) -> Tuple[AttentionSpec, Any, Varlen, Optional[torch.Tensor]]:
+def _split_kwargs(kwargs: dict, who: str) -> Tuple[dict, Varlen, Optional[torch.Tensor]]:
+    """(spec keyword arguments, Varlen, sinks) of dot_product_attention-style keyword arguments."""
     cfg = dict(kwargs)
     names = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
              "max_seqlen_kv")
@@ -207,7 +201,12 @@ def _split_call_kwargs(kwargs: dict) -> Tuple[AttentionSpec, Any, Varlen, Option
     sinks = cfg.pop("sinks", None)
     unknown = sorted(set(cfg) - _SPEC_ARGS)
     if unknown:
-        raise TypeError(f"got unexpected keyword(s) {unknown}; the call takes dot_product_attention's arguments")
+        raise TypeError(f"{who} got unexpected keyword(s) {unknown}; it takes dot_product_attention's arguments")
+    return cfg, varlen, sinks
+
+
+def _split_call_kwargs(kwargs: dict) -> Tuple[AttentionSpec, Any, Varlen, Optional[torch.Tensor]]:
+    cfg, varlen, sinks = _split_kwargs(kwargs, "attention_forward / attention_backward")
     cfg["return_lse"] = True
     spec, mod = resolve_spec(**cfg)
     return spec, mod, _complete(spec, varlen), sinks
