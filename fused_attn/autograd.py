@@ -29,6 +29,9 @@ class PlanAttention(torch.autograd.Function):
                 key: torch.Tensor, value: torch.Tensor, *extras: torch.Tensor):
         out, lse, saved, state = runner.forward(query, key, value, varlen, mod, sinks, extras=extras)
         ctx.runner, ctx.state, ctx.n_extras = runner, state, len(extras)
+        # a module updates its score_mod's values in place (TracedMod.take_values replaces the
+        # values dict): the backward checks they are still the forward's
+        ctx.mod, ctx.mod_values = mod, getattr(mod, "_values", None)
         ctx.save_for_backward(*saved)
         if lse is not None:
             ctx.mark_non_differentiable(lse)
@@ -38,6 +41,12 @@ class PlanAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor, _grad_lse: Optional[torch.Tensor]):
         if grad_out is None:
             return (None,) * (4 + 3 + ctx.n_extras)
+        values = getattr(ctx.mod, "_values", None)
+        if values is not ctx.mod_values and values != ctx.mod_values:
+            raise RuntimeError(
+                f"score_mod {getattr(ctx.mod, 'name', '?')!r} changed its values between this forward and its "
+                f"backward (from {ctx.mod_values} to {values}, e.g. `attn.score_mod = ...` before backward()): "
+                "the gradient would be that of another function; set the new score_mod after backward()")
         grads = ctx.runner.backward(ctx.state, ctx.saved_tensors, grad_out)
         # runner, varlen, mod, sinks (the tensor itself is among the extras), q, k, v, *extras
         return (None, None, None, None) + tuple(grads)

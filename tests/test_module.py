@@ -99,3 +99,21 @@ def test_extra_repr():
     for part in ("num_attention_heads=8", "kv_channels=(64, 32)", "num_gqa_groups=2", "attn_mask_type='causal'",
                  "window_size=(16, 0)", "backend='auto'"):
         assert part in text
+
+
+def test_score_mod_values_changed_before_backward_raise():
+    """attn.score_mod = softcap(50.) between a forward with softcap(3.) and its backward would give
+    the gradient of another function: the backward raises; re-setting equal values is fine."""
+    import score_mods as sm
+
+    q, k, v = (torch.randn(1, 16, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    attn = fused_attn.DotProductAttention(2, 8, score_mod=sm.softcap(3.0))
+    out = attn(q, k, v)
+    attn.score_mod = sm.softcap(50.0)
+    with pytest.raises(RuntimeError, match="changed its values between this forward and its backward"):
+        out.sum().backward()
+    out = attn(q, k, v)
+    attn.score_mod = sm.softcap(50.0)
+    (g,) = torch.autograd.grad(out.sum(), q)
+    want = fused_attn.dot_product_attention(q, k, v, score_mod=sm.softcap(50.0))
+    torch.testing.assert_close(g, torch.autograd.grad(want.sum(), q)[0], rtol=1e-12, atol=1e-12)
