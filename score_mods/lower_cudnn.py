@@ -174,6 +174,13 @@ def _values_at_masked_score(root: Node) -> frozenset:
     def pairwise(a: frozenset, b: frozenset, rule) -> frozenset:
         return frozenset().union(*(rule(x, y) for x in a for y in b))
 
+    def negated(vs: frozenset, flip: bool = True) -> frozenset:
+        return frozenset({"-": "+", "+": "-"}.get(x, x) for x in vs) if flip else vs
+
+    def const_factor(node: Node) -> Optional[float]:
+        """A nonzero constant multiplier / divisor, else None."""
+        return node.attr if node.op == "const" and node.attr != 0 else None
+
     def add(x, y):
         if "n" in (x, y) or {x, y} == {"-", "+"}:
             return "n"
@@ -195,22 +202,17 @@ def _values_at_masked_score(root: Node) -> frozenset:
         elif not n.args:
             out = frozenset("f")
         elif n.op == "neg":
-            out = frozenset({"-": "+", "+": "-"}.get(x, x) for x in a[0])
+            out = negated(a[0])
         elif n.op == "add":
             out = pairwise(a[0], a[1], add)
         elif n.op == "sub":
-            out = pairwise(a[0], frozenset({"-": "+", "+": "-"}.get(x, x) for x in a[1]), add)
-        elif n.op == "mul" and n.args[1].op == "const" and n.args[1].attr != 0:
-            flip = n.args[1].attr < 0
-            out = frozenset({"-": "+", "+": "-"}.get(x, x) if flip else x for x in a[0])
-        elif n.op == "mul" and n.args[0].op == "const" and n.args[0].attr != 0:
-            flip = n.args[0].attr < 0
-            out = frozenset({"-": "+", "+": "-"}.get(x, x) if flip else x for x in a[1])
+            out = pairwise(a[0], negated(a[1]), add)
+        elif n.op in ("mul", "div") and const_factor(n.args[1]) is not None:
+            out = negated(a[0], const_factor(n.args[1]) < 0)
+        elif n.op == "mul" and const_factor(n.args[0]) is not None:
+            out = negated(a[1], const_factor(n.args[0]) < 0)
         elif n.op == "mul":
-            out = frozenset("".join(pairwise(a[0], a[1], mul)))
-        elif n.op == "div" and n.args[1].op == "const" and n.args[1].attr != 0:
-            flip = n.args[1].attr < 0
-            out = frozenset({"-": "+", "+": "-"}.get(x, x) if flip else x for x in a[0])
+            out = pairwise(a[0], a[1], mul)
         elif n.op == "div" and a[1] == frozenset("f"):  # inf / finite: an infinity of either sign
             out = frozenset("".join("-+" if x in "-+" else x for x in a[0]))
         elif n.op in ("tanh", "sigmoid", "erf", "exp"):

@@ -355,40 +355,43 @@ def test_bench_cp_cpu_smoke(tmp_path):
     assert all(float(r["max_err"]) < 2e-2 for r in rows if r["max_err"])
 
 
-def test_core_entry_points_route_dtensors(tmp_path):
-    """fused_attn.dot_product_attention / varlen_attn / DotProductAttention / doc_packed_attn given
-    DTensors go to fused_attn.distributed (a one-rank group here: the routing, not the sharding,
-    is under test; the sharded cases run in the multi-process tests)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-process gloo group in this process (routing and refusals, not sharding, are under test)."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(2, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
-        dq, dk, dv = (distribute_tensor(t, mesh, [Shard(0)]) for t in (q, k, v))
-        want = fused_attn.dot_product_attention(q, k, v, attn_mask_type="causal")
-        got = fused_attn.dot_product_attention(dq, dk, dv, attn_mask_type="causal")
-        assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
-        attn = fused_attn.DotProductAttention(4, 8, attn_mask_type="causal")
-        got = attn(dq, dk, dv)
-        assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
-        cu = torch.tensor([[0, 5, 16], [0, 16, 16]], dtype=torch.int32)
-        want = fused_attn.doc_packed_attn(q, k, v, cu, is_causal=True)
-        got = fused_attn.doc_packed_attn(dq, dk, dv, cu, is_causal=True)
-        assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
-        packed = [t.reshape(32, 4, 8) for t in (q, k, v)]
-        cu1 = torch.tensor([0, 16, 32], dtype=torch.int32)
-        want = fused_attn.varlen_attn(*packed, cu1, cu1, 16, 16, window_size=(-1, 0))
-        dpacked = [distribute_tensor(t, mesh, [Shard(1)]) for t in packed]
-        got = fused_attn.varlen_attn(*dpacked, cu1, cu1, 16, 16, window_size=(-1, 0))
-        assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
-    finally:
-        dist.destroy_process_group()
+    yield
+    dist.destroy_process_group()
+
+
+def test_core_entry_points_route_dtensors(one_rank_group):
+    """fused_attn.dot_product_attention / varlen_attn / DotProductAttention / doc_packed_attn given
+    DTensors go to fused_attn.distributed (a one-rank group here: the routing, not the sharding,
+    is under test; the sharded cases run in the multi-process tests)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    dq, dk, dv = (distribute_tensor(t, mesh, [Shard(0)]) for t in (q, k, v))
+    want = fused_attn.dot_product_attention(q, k, v, attn_mask_type="causal")
+    got = fused_attn.dot_product_attention(dq, dk, dv, attn_mask_type="causal")
+    assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
+    attn = fused_attn.DotProductAttention(4, 8, attn_mask_type="causal")
+    got = attn(dq, dk, dv)
+    assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
+    cu = torch.tensor([[0, 5, 16], [0, 16, 16]], dtype=torch.int32)
+    want = fused_attn.doc_packed_attn(q, k, v, cu, is_causal=True)
+    got = fused_attn.doc_packed_attn(dq, dk, dv, cu, is_causal=True)
+    assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
+    packed = [t.reshape(32, 4, 8) for t in (q, k, v)]
+    cu1 = torch.tensor([0, 16, 32], dtype=torch.int32)
+    want = fused_attn.varlen_attn(*packed, cu1, cu1, 16, 16, window_size=(-1, 0))
+    dpacked = [distribute_tensor(t, mesh, [Shard(1)]) for t in packed]
+    got = fused_attn.varlen_attn(*dpacked, cu1, cu1, 16, 16, window_size=(-1, 0))
+    assert isinstance(got, DTensor) and torch.allclose(got.full_tensor(), want, rtol=0, atol=1e-12)
 
 
 def test_index_reads_of_the_expression_graph():
@@ -424,25 +427,17 @@ def _spec_of(mod):
     return resolve_spec(score_mod=mod, backend="reference")[0]
 
 
-def test_thd_context_parallelism_is_refused_on_cudnn(tmp_path):
+def test_thd_context_parallelism_is_refused_on_cudnn(one_rank_group):
     """Measured wrong on 2x H200 (cuDNN 9.19): thd under context parallelism with cuDNN is refused
     before any communication; the reference backend keeps serving it (the multi-process tests)."""
-    import torch.distributed as dist
-
     import fused_attn.distributed as fd
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        cu = torch.tensor([0, 8, 16], dtype=torch.int32)
-        q = torch.randn(16, 2, 8, dtype=torch.float64)
-        kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8,
-                  max_seqlen_kv=8)
-        with pytest.raises(NotImplementedError, match=r"packed \(thd\) batches on cuDNN"):
-            fd.context_parallel_attention(q, q, q, backend="cudnn", **kw)
-        out = fd.context_parallel_attention(q, q, q, backend="reference", **kw)
-        want = fused_attn.dot_product_attention(q, q, q, backend="reference", **kw)
-        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    q = torch.randn(16, 2, 8, dtype=torch.float64)
+    kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8,
+              max_seqlen_kv=8)
+    with pytest.raises(NotImplementedError, match=r"packed \(thd\) batches on cuDNN"):
+        fd.context_parallel_attention(q, q, q, backend="cudnn", **kw)
+    out = fd.context_parallel_attention(q, q, q, backend="reference", **kw)
+    want = fused_attn.dot_product_attention(q, q, q, backend="reference", **kw)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
