@@ -22,11 +22,14 @@ __all__ = ["attention", "PlanAttention"]
 
 
 class PlanAttention(torch.autograd.Function):
-    """apply(runner, varlen, mod, sinks, q, k, v, *extras) -> (out, lse or None)."""
+    """apply((runner, varlen, mod, sinks), q, k, v, *extras) -> (out, lse or None).
+
+    The non-tensor arguments travel as one tuple: `Function.apply` costs per argument."""
 
     @staticmethod
-    def forward(ctx, runner: Any, varlen: Any, mod: Any, sinks: Optional[torch.Tensor], query: torch.Tensor,
-                key: torch.Tensor, value: torch.Tensor, *extras: torch.Tensor):
+    def forward(ctx, call: Tuple[Any, Any, Any, Optional[torch.Tensor]], query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, *extras: torch.Tensor):
+        runner, varlen, mod, sinks = call
         out, lse, saved, state = runner.forward(query, key, value, varlen, mod, sinks, extras=extras)
         ctx.runner, ctx.state, ctx.n_extras = runner, state, len(extras)
         # a module updates its score_mod's values in place (TracedMod.take_values replaces the
@@ -40,7 +43,7 @@ class PlanAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_lse: Optional[torch.Tensor]):
         if grad_out is None:
-            return (None,) * (4 + 3 + ctx.n_extras)
+            return (None,) * (1 + 3 + ctx.n_extras)
         values = getattr(ctx.mod, "_values", None)
         if values is not ctx.mod_values and values != ctx.mod_values:
             raise RuntimeError(
@@ -48,8 +51,8 @@ class PlanAttention(torch.autograd.Function):
                 f"backward (from {ctx.mod_values} to {values}, e.g. `attn.score_mod = ...` before backward()): "
                 "the gradient would be that of another function; set the new score_mod after backward()")
         grads = ctx.runner.backward(ctx.state, ctx.saved_tensors, grad_out)
-        # runner, varlen, mod, sinks (the tensor itself is among the extras), q, k, v, *extras
-        return (None, None, None, None) + tuple(grads)
+        # the call tuple (sinks itself is among the extras), q, k, v, *extras
+        return (None,) + tuple(grads)
 
 
 def attention(runner: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, varlen: Any, mod: Any,
@@ -58,6 +61,6 @@ def attention(runner: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     extras = runner.grad_inputs(mod, sinks)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                     or any(t.requires_grad for t in extras)):
-        return PlanAttention.apply(runner, varlen, mod, sinks, query, key, value, *extras)
+        return PlanAttention.apply((runner, varlen, mod, sinks), query, key, value, *extras)
     out, lse, _, _ = runner.forward(query, key, value, varlen, mod, sinks)
     return out, lse

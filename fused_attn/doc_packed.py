@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from .functional import _is_dtensor, run_call
+from .memo import BoundedMemo
 from .plan import Varlen
 from .spec import resolve_spec
 from .validation import check_window
@@ -92,6 +93,29 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
             if row[i] - row[i - 1] > limit:
                 raise ValueError(f"cu_seq row {b} has a document of length {row[i] - row[i - 1]} > max_doc_len="
                                  f"{limit}: {row}")
+
+
+#: Checked global offsets per boundary table: (id, version, S, max_doc_len) -> (table, offsets).
+#: A model's layers share one table per step, so only its first call checks and derives them
+#: (and the thd preparation, memoized per offsets tensor, is shared too). An entry keeps its
+#: table alive, so the id cannot be reused while cached; an in-place edit bumps the version.
+_OFFSETS = BoundedMemo(64, "doc_packed.offsets")
+
+
+def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.device,
+                    max_doc_len: int) -> torch.Tensor:
+    """`check_doc_boundaries` then `doc_cu_seqlens`, memoized per table (not while compiling)."""
+    if torch.compiler.is_compiling() or not isinstance(cu_seq, torch.Tensor) or _is_fake(cu_seq):
+        check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
+        return doc_cu_seqlens(cu_seq, seq_len)
+    key = (id(cu_seq), cu_seq._version, batch, seq_len, max_doc_len, device)
+    hit = _OFFSETS.get(key)
+    if hit is not None and hit[0] is cu_seq:
+        return hit[1]
+    check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
+    offsets = doc_cu_seqlens(cu_seq, seq_len)
+    _OFFSETS.put(key, (cu_seq, offsets))
+    return offsets
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -192,9 +216,8 @@ def doc_packed_attn(
         max_doc_len = seq_len
     elif isinstance(max_doc_len, bool) or not isinstance(max_doc_len, int) or not 0 <= max_doc_len <= seq_len:
         raise ValueError(f"max_doc_len must be None or an int in [0, S={seq_len}], got {max_doc_len!r}")
-    check_doc_boundaries(cu_seq, batch, seq_len, query.device, max_doc_len)
     mask_type, window = _mask(is_causal, window_size)
-    cu = doc_cu_seqlens(cu_seq, seq_len)
+    cu = checked_offsets(cu_seq, batch, seq_len, query.device, max_doc_len)
     varlen = Varlen(cu, cu, None, None, max_doc_len, max_doc_len)
     out = run_call(_resolve, (mask_type, window, scale), score_mod, _packed(query), _packed(key), _packed(value), varlen)
     return out.view(batch, seq_len, out.shape[-2], out.shape[-1])

@@ -294,24 +294,50 @@ def _check_max_against(arg: str, value: Optional[int], lengths: List[int], what:
 _CHECKED = BoundedMemo(64, "validation.cu_seqlens")
 
 
+def assert_within(values: torch.Tensor, lo: List[int], hi: List[int], message: str,
+                  also: Optional[torch.Tensor] = None) -> None:
+    """One asynchronous device assertion that every `values[i]` (1-D int tensor) lies in
+    [lo[i], hi[i]] (host ints) and, if given, that the bool tensor `also` is all true.
+
+    The bounds travel as one small host->device copy (pinned, non-blocking on CUDA), so the
+    check is a clamp, a comparison, a reduction and the assertion: four kernels whatever the
+    number of conditions, and no host synchronisation. CPU tensors fail right here
+    (`_assert_async` raises on CPU)."""
+    bounds = torch.tensor([lo, hi], dtype=values.dtype, pin_memory=values.device.type == "cuda")
+    bounds = bounds.to(values.device, non_blocking=True)
+    ok = values.clamp(bounds[0], bounds[1]).eq_(values).all()
+    if also is not None:
+        ok = ok & also.all()
+    torch._assert_async(ok, message)
+
+
 def _check_values_on_device(names: List[str], tensors: List[torch.Tensor], tokens: Optional[Tuple[int, int]],
                             limits: Tuple[int, int]) -> None:
     """The value checks as one asynchronous device assertion: a violation stops the program
     at the next synchronization with the message below, instead of a ValueError at the call."""
     rows = torch.stack(tensors)
+    n, batch = len(tensors), rows.shape[1] - 1
     diffs = rows[:, 1:] - rows[:, :-1]
-    ok = (rows[:, 0] == 0).all() & (diffs >= 0).all()
-    ok = ok & (diffs[0].max() <= limits[0]) & (diffs[1].max() <= limits[1])
+    parts, lo, hi = [diffs.reshape(-1), rows[:, 0]], [], []
+    big = 2 ** 31 - 1
+    for i in range(n):  # lengths: the real ones <= their limit, padded slots >= 0
+        lo += [0] * batch
+        hi += [limits[i]] * batch if i < 2 else [big] * batch
+    lo += [0] * n
+    hi += [0] * n
+    also = None
     if tokens is not None:
-        end_q = rows[names.index("cu_seqlens_q_padded")] if "cu_seqlens_q_padded" in names else rows[0]
-        end_kv = rows[names.index("cu_seqlens_kv_padded")] if "cu_seqlens_kv_padded" in names else rows[1]
-        ok = ok & (end_q[-1] == tokens[0]) & (end_kv[-1] == tokens[1])
-        if "cu_seqlens_q_padded" in names:
-            ok = ok & ((end_q[1:] - end_q[:-1]) >= diffs[0]).all()
-        if "cu_seqlens_kv_padded" in names:
-            ok = ok & ((end_kv[1:] - end_kv[:-1]) >= diffs[1]).all()
-    torch._assert_async(ok, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the "
-                            "token count (thd), and give lengths <= max_seqlen / the tensors' sequence length")
+        end_q = names.index("cu_seqlens_q_padded") if "cu_seqlens_q_padded" in names else 0
+        end_kv = names.index("cu_seqlens_kv_padded") if "cu_seqlens_kv_padded" in names else 1
+        parts += [rows[end_q, -1:], rows[end_kv, -1:]]
+        lo += [tokens[0], tokens[1]]
+        hi += [tokens[0], tokens[1]]
+        if n > 2:  # each padded slot holds its sequence
+            real = [0 if name.startswith("cu_seqlens_q") else 1 for name in names[2:]]
+            also = diffs[2:] >= diffs[real]
+    assert_within(torch.cat(parts), lo, hi,
+                  "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the token count "
+                  "(thd), and give lengths <= max_seqlen / the tensors' sequence length", also)
 
 
 def check_sinks(softmax_type: str, sinks: Any, heads: int, device: torch.device) -> bool:

@@ -270,6 +270,50 @@ def test_prepare_checks_values():
         varlen.prepare(layout, vl, tokens, (3, 4))  # a length above max_seqlen
 
 
+def _cu(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case", ["valid", "start", "decreasing", "end_q", "end_kv", "q_limit", "kv_limit",
+                                  "shared_kv_limit", "pad_too_small", "pad_end"])
+def test_prepare_value_check_each_condition(case):
+    """Every condition of the one-assertion value check, each violated alone (CPU raises at once)."""
+    from fused_attn.plan import Varlen
+
+    cu_q, cu_kv, pad_q, limits = _cu(0, 3, 7), _cu(0, 2, 6), None, (4, 4)
+    tokens = (7, 6)
+    if case == "start":
+        cu_q = _cu(1, 3, 7)
+    elif case == "decreasing":
+        cu_kv = _cu(0, 5, 4, 6)
+    elif case == "end_q":
+        tokens = (8, 6)
+    elif case == "end_kv":
+        tokens = (7, 5)
+    elif case == "q_limit":
+        limits = (3, 4)
+    elif case == "kv_limit":
+        limits = (4, 3)
+    elif case == "shared_kv_limit":
+        cu_kv, tokens, limits = cu_q, (7, 7), (4, 3)
+    elif case in ("pad_too_small", "pad_end"):
+        pad_q, tokens = _cu(0, 4, 9), (9, 6)
+        if case == "pad_too_small":
+            pad_q = _cu(0, 2, 9)
+        else:
+            tokens = (10, 6)
+    if case == "decreasing":
+        cu_q = _cu(0, 1, 2, 7)
+    batch = cu_q.numel() - 1
+    layout = varlen.ThdLayout(batch, varlen.bucket_batch(batch), (H * D,), (HKV * D,), torch.device("cpu"))
+    vl = Varlen(cu_q, cu_kv, pad_q, None, limits[0], limits[1])
+    if case == "valid":
+        varlen.prepare(layout, vl, tokens, limits)
+    else:
+        with pytest.raises(RuntimeError, match="invalid cu_seqlens"):
+            varlen.prepare(layout, vl, tokens, limits)
+
+
 def test_prepare_uses_padded_offsets():
     layout, vl, tokens = make_thd([3, 4], [3, 4], padded_gap=2)
     thd = varlen.prepare(layout, vl, tokens, (4, 4))

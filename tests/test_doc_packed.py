@@ -145,3 +145,23 @@ def test_qkv_errors():
         doc_packed_attn(q, k, v, CU, is_causal=True, window_size=(2, 2))
     with pytest.raises(TypeError, match="is_causal must be a bool"):
         doc_packed_attn(q, k, v, CU, is_causal=1)
+
+
+def test_boundary_table_is_checked_once_per_table_and_version(monkeypatch):
+    """Layers sharing one table check and derive its offsets once; an in-place edit is seen."""
+    from fused_attn import doc_packed as dp
+
+    calls = []
+    real = dp.check_doc_boundaries
+    monkeypatch.setattr(dp, "check_doc_boundaries", lambda *a: (calls.append(1), real(*a))[1])
+    q, k, v = make(b=2, s=8)
+    cu_seq = torch.tensor([[0, 3, 8], [0, 8, 8]], dtype=torch.int32)
+    first = doc_packed_attn(q, k, v, cu_seq)
+    again = doc_packed_attn(q, k, v, cu_seq)
+    assert len(calls) == 1 and torch.equal(first, again)
+    cu_seq[0, 1] = 9  # in place: a new version, checked again (and refused)
+    with pytest.raises(ValueError, match="outside"):
+        doc_packed_attn(q, k, v, cu_seq)
+    cu_seq[0, 1] = 5
+    torch.testing.assert_close(doc_packed_attn(q, k, v, cu_seq), naive_docs(q, k, v, cu_seq))
+    assert len(calls) == 3

@@ -166,3 +166,33 @@ def test_cu_seqlens_lengths_message(qkv):
     # dense padding accepts lengths <= S
     out = call(*qkv, attn_mask_type="padding", cu_seqlens_q=cu_seqlens([5, 0]), cu_seqlens_kv=cu_seqlens([2, 5]))
     assert torch.all(out[1] == 0) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("case", ["valid", "start", "decreasing", "q_limit", "kv_limit", "end", "pad_small"])
+def test_device_value_check_each_condition(case):
+    """The CUDA path's one-assertion cu_seqlens check, run on CPU tensors (where the assertion
+    raises at once): each condition violated alone."""
+    from fused_attn import validation
+
+    cu_q, cu_kv = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 2, 6], dtype=torch.int32)
+    names, extra, tokens, limits = ["cu_seqlens_q", "cu_seqlens_kv"], [], (7, 6), (4, 4)
+    if case == "start":
+        cu_q = torch.tensor([1, 3, 7], dtype=torch.int32)
+    elif case == "decreasing":
+        cu_kv = torch.tensor([0, 5, 6], dtype=torch.int32)
+        cu_kv[1] = 7
+    elif case == "q_limit":
+        limits = (3, 4)
+    elif case == "kv_limit":
+        limits = (4, 3)
+    elif case == "end":
+        tokens = (7, 7)
+    elif case == "pad_small":
+        names, extra, tokens = names + ["cu_seqlens_q_padded"], [torch.tensor([0, 2, 9], dtype=torch.int32)], (9, 6)
+    tensors = [cu_q, cu_kv] + extra
+    if case == "valid":
+        validation._check_values_on_device(names, tensors, tokens, limits)
+        validation._check_values_on_device(names, tensors, None, limits)  # dense: no token counts
+    else:
+        with pytest.raises(RuntimeError, match="invalid cu_seqlens"):
+            validation._check_values_on_device(names, tensors, tokens, limits)

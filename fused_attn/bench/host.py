@@ -72,8 +72,24 @@ def _forwards(q, k, v, device) -> Dict[str, Callable[[], torch.Tensor]]:
     return fns
 
 
-def _fwd_bwds(device, gen) -> Dict[str, Callable[[], object]]:
-    """fwd + backward of one call (grads accumulate into .grad, as in training)."""
+class _EmptyFunction(torch.autograd.Function):
+    """A Python autograd.Function over (q, k, v) that allocates its output and gradients and
+    does nothing else: what any Python-level attention pays autograd per fwd+bwd on this host."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_bwds(device, gen) -> Tuple[Dict[str, Callable[[], object]], Tuple[torch.Tensor, ...]]:
+    """fwd + backward of one call (grads accumulate into .grad, as in training); also returns
+    (q, k, v, dO) for the gradient check."""
     import fused_attn
 
     backend = "cudnn" if device.type == "cuda" else "reference"
@@ -94,7 +110,27 @@ def _fwd_bwds(device, gen) -> Dict[str, Callable[[], object]]:
                                                v.transpose(1, 2)).transpose(1, 2).backward(do)
 
         fns["torch_sdpa_cudnn"] = torch_cudnn
-    return fns
+    fns[FLOOR] = lambda: _EmptyFunction.apply(q, k, v).backward(do)
+    return fns, (q, k, v, do)
+
+
+FLOOR = "floor: empty Python autograd.Function (no attention)"
+
+
+def _check_grads(name: str, fn: Callable[[], object], q, k, v, do) -> float:
+    """One fwd+bwd from zero grads against the float64 reference; the worst error/bound ratio."""
+    t = [x.detach().transpose(1, 2) for x in (q, k, v)]
+    expected, bounds = reference_and_bounds(
+        lambda dt: naive_attention(*t, scale=1 / math.sqrt(q.shape[-1]), dtype=dt,
+                                   grad_out=do.transpose(1, 2)), q.dtype)
+    for x in (q, k, v):
+        x.grad = None
+    fn()
+    worst = 0.0
+    for key, x in (("dq", q), ("dk", k), ("dv", v)):
+        err = check_tensor(name, key, x.grad.transpose(1, 2), expected[key], bounds[key])
+        worst = max(worst, err / bounds[key])
+    return worst
 
 
 def _ratio_notes(rows: List[Dict[str, object]]) -> List[str]:
@@ -110,6 +146,10 @@ def _ratio_notes(rows: List[Dict[str, object]]) -> List[str]:
     ratio("fwd host, softcap + causal vs softcap alone", ("fwd", "fused_attn functional softcap + causal"),
           ("fwd", "fused_attn functional softcap"))
     ratio("fwd+bwd host, functional vs torch SDPA (cuDNN)", ("fwd+bwd", "fused_attn functional"),
+          ("fwd+bwd", "torch_sdpa_cudnn"))
+    ratio("fwd+bwd host, module vs torch SDPA (cuDNN)", ("fwd+bwd", "fused_attn module"),
+          ("fwd+bwd", "torch_sdpa_cudnn"))
+    ratio("fwd+bwd host, empty Python autograd.Function vs torch SDPA (cuDNN)", ("fwd+bwd", FLOOR),
           ("fwd+bwd", "torch_sdpa_cudnn"))
     if us.get(("fwd", "fused_attn module")) and us.get(("fwd", "fused_attn functional")):
         notes.append(f"fwd host, module minus functional: "
@@ -241,10 +281,17 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
         del expected
         row["us_per_call"] = host_us_per_call(fn, device, calls)
         result.rows.append(row)
-    for name, fn in _fwd_bwds(device, gen).items():
-        row = {"suite": "host", "config": config, "mode": "fwd+bwd", "impl": name}
+    fwd_bwds, (qg, kg, vg, do) = _fwd_bwds(device, gen)
+    for name, fn in fwd_bwds.items():
+        row = {"suite": "host", "config": config, "mode": "fwd+bwd", "impl": name,
+               "note": "no attention: autograd's own cost" if name == FLOOR else "grads checked"}
         try:
+            if name != FLOOR:
+                row["worst_err_over_bound"] = _check_grads(name, fn, qg, kg, vg, do)
             row["us_per_call"] = host_us_per_call(fn, device, calls // 2)
+        except ImplWrongError as exc:  # not timed
+            result.failures.append(f"host / fwd+bwd {exc}")
+            row["note"] = "WRONG: " + str(exc)
         except Exception as exc:
             if name.startswith("fused_attn"):
                 result.failures.append(f"host / fwd+bwd {name}: {type(exc).__name__}: {exc}")

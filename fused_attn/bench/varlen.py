@@ -242,7 +242,8 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
     for i, (d, causal) in enumerate(variants):
         result.extend(run_varlen_config(lengths, H, d, causal, device, quick, seed=i))
     for causal in ((False,) if quick else (False, True)):
-        result.extend(run_doc_packed(device, quick, causal=causal))
+        for docs in (1, 4, 16, 64):  # documents per row
+            result.extend(run_doc_packed(device, quick, docs=docs, causal=causal))
     result.extend(run_training_loop(device, 200 if quick else 1000))
     from .steps import run_varlen_step
 

@@ -34,6 +34,7 @@ class Graphs:
         self.parts = {"fwd": fwd_parts,
                       "bwd": fwd_parts if bwd_lowering is None else (bwd_lowering[0], _templates(bwd_lowering[1]))}
         self.device_index = device_index
+        self._builders = {d: self._builder(d, k) for d, k in self.keys.items() if k is not None}
 
     def _builder(self, direction: str, key: GraphKey) -> Callable[[], CompiledGraph]:
         mod, templates = self.parts[direction]
@@ -53,7 +54,7 @@ class Graphs:
         key = self.keys[direction]
         if key is None:
             raise RuntimeError("this call plan was made without gradients; no backward graph")  # pragma: no cover
-        return GRAPH_CACHE.get_or_build(key, self._builder(direction, key))
+        return GRAPH_CACHE.get_or_build(key, self._builders[direction])
 
     def build_all(self) -> None:
         """Build (or find) every graph of the plan now: a graph cuDNN declines refuses the plan."""

@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ...memo import BoundedMemo
+from ...validation import assert_within
 
 __all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "gather_lse", "check_offset_range",
            "scatter_lse", "MIN_SEQ_BUCKET"]
@@ -150,17 +151,34 @@ def _prepare(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> T
 
 def _assert_valid(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool, has_pad_kv: bool,
                   tokens: Tuple[int, int], limits: Tuple[int, int]) -> None:
-    """One asynchronous device assertion over every value check (no host sync)."""
-    ok = (ext[:, 0] == 0).all() & (lens >= 0).all() & (lens[0].max() <= limits[0]) & (lens[n - 1].max() <= limits[1])
-    end_q = ext[n] if has_pad_q else ext[0]
-    end_kv = ext[n + has_pad_q] if has_pad_kv else ext[n - 1]
-    ok = ok & (end_q[-1] == tokens[0]) & (end_kv[-1] == tokens[1])
-    if has_pad_q:
-        ok = ok & (lens[n] >= lens[0]).all()
-    if has_pad_kv:
-        ok = ok & (lens[n + has_pad_q] >= lens[n - 1]).all()
-    torch._assert_async(ok, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the "
-                            "token count, give lengths <= max_seqlen, and padded offsets must hold each sequence")
+    """One asynchronous device assertion over every value check (no host sync, four kernels
+    and a cat): rows start at 0, lengths in [0, limit] (padded slots: >= 0 and holding their
+    sequence), the token-offset rows end at the token counts."""
+    rows, buckets = lens.shape
+    big = 2 ** 31 - 1
+    lo, hi = [], []
+    for r in range(rows):
+        if r < n:  # real lengths: q's row first; one shared row serves both limits
+            limit = min(limits) if n == 1 else limits[r]
+        else:
+            limit = big
+        lo += [0] * buckets
+        hi += [limit] * buckets
+    lo += [0] * rows
+    hi += [0] * rows
+    end_q = n if has_pad_q else 0
+    end_kv = n + has_pad_q if has_pad_kv else n - 1
+    lo += [tokens[0], tokens[1]]
+    hi += [tokens[0], tokens[1]]
+    values = torch.cat([lens.reshape(-1), ext[:, 0], ext[end_q, -1:], ext[end_kv, -1:]])
+    also = None
+    if has_pad_q or has_pad_kv:
+        pads = [n + i for i in range(has_pad_q + has_pad_kv)]
+        real = ([0] if has_pad_q else []) + ([n - 1] if has_pad_kv else [])
+        also = lens[pads] >= lens[real]
+    assert_within(values, lo, hi, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at "
+                                  "the token count, give lengths <= max_seqlen, and padded offsets must hold each "
+                                  "sequence", also)
 
 
 def gather_lse(stats: torch.Tensor, thd: ThdBatch, total_tokens: int) -> torch.Tensor:
