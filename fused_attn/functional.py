@@ -13,6 +13,7 @@ import torch
 
 from . import validation as V
 from .autograd import attention
+from .key_range import trim_unattended_keys
 from .plan import NO_VARLEN, Explanation, Varlen, explain_plan, get_plan
 from .spec import AttentionSpec, resolve_spec
 
@@ -158,6 +159,8 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
              sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
     varlen = _complete(spec, varlen)
+    if spec.trims_keys:  # a plain causal / windowed dense call: never read keys no query attends
+        key, value = trim_unattended_keys(spec.qkv_format, spec.band, query, key, value)
     plan = get_plan(spec, mod, query, key, value, varlen, sinks)
     check_values(plan, query, key, varlen)
     out, lse = attention(plan.runner, query, key, value, varlen, mod, sinks)

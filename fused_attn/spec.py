@@ -62,6 +62,14 @@ class AttentionSpec:
     def has_sinks(self) -> bool:
         return self.softmax_type != "vanilla"
 
+    @property
+    def trims_keys(self) -> bool:
+        """A dense call whose band may leave keys no query attends, run on the attended ones
+        (`key_range`). Not with a score_mod (it may read positions or key-sized tensors), dropout
+        (its mask is laid out over all keys) or padding (served as packed sequences)."""
+        return (self.band is not None and self.qkv_format != "thd" and not self.padding
+                and self.score_mod_key is None and not self.dropout_p)
+
     def describe(self) -> str:
         """One line for errors and `explain`."""
         parts = [f"qkv_format={self.qkv_format!r}", f"attn_mask_type={self.attn_mask_type!r}"]

@@ -72,7 +72,7 @@ def _forwards(q, k, v, device) -> Dict[str, Callable[[], torch.Tensor]]:
     return fns
 
 
-class _EmptyFunction(torch.autograd.Function):
+class EmptyAutogradFunction(torch.autograd.Function):
     """A Python autograd.Function over (q, k, v) that allocates its output and gradients and
     does nothing else: what any Python-level attention pays autograd per fwd+bwd on this host."""
 
@@ -110,7 +110,7 @@ def _fwd_bwds(device, gen) -> Tuple[Dict[str, Callable[[], object]], Tuple[torch
                                                v.transpose(1, 2)).transpose(1, 2).backward(do)
 
         fns["torch_sdpa_cudnn"] = torch_cudnn
-    fns[FLOOR] = lambda: _EmptyFunction.apply(q, k, v).backward(do)
+    fns[FLOOR] = lambda: EmptyAutogradFunction.apply(q, k, v).backward(do)
     return fns, (q, k, v, do)
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from .host import FLOOR, EmptyAutogradFunction
 from .runner import SuiteResult
 
 N, MAX_LEN, H, D = 8, 2048, 16, 64
@@ -55,6 +56,9 @@ def profile_steps(step: Callable[[tuple], None], batches: Sequence[tuple], devic
         for b in batches:
             step(b)
         torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as bare:
+        torch.cuda.synchronize(device)
+    ours = sum(1 for evt in bare.events() if evt.name in _SYNC_EVENTS)  # the loop's own final synchronize
     kernels, gpu_us, syncs = 0, 0.0, 0
     for evt in prof.events():
         name = evt.name
@@ -66,9 +70,8 @@ def profile_steps(step: Callable[[tuple], None], batches: Sequence[tuple], devic
         elif name in _SYNC_EVENTS:
             syncs += 1
     n = len(batches)
-    # the final synchronize of the profiled loop is ours, not the step's
     return {"gpu_ms_per_step": gpu_us / 1e3 / n, "kernels_per_step": kernels / n,
-            "host_syncs_per_step": max(0, syncs - 1) / n}
+            "host_syncs_per_step": max(0, syncs - ours) / n}
 
 
 def run_varlen_step(device, quick: bool, *, n: int = N, max_len: int = MAX_LEN, h: int = H, d: int = D,
@@ -90,6 +93,7 @@ def run_varlen_step(device, quick: bool, *, n: int = N, max_len: int = MAX_LEN, 
     impls = {
         "fused_attn": lambda q, k, v, cq, ck, mq, mk: fused_attn.varlen_attn(q, k, v, cq, ck, mq, mk, window_size=win),
         "torch_varlen": lambda q, k, v, cq, ck, mq, mk: torch_varlen(q, k, v, cq, ck, mq, mk, window_size=win),
+        FLOOR: lambda q, k, v, *_: EmptyAutogradFunction.apply(q, k, v),
     }
     config = f"varlen step N{n} random lengths (x64) <= {max_len} H{h} D{d}" + (" causal" if causal else "")
     for name, fn in impls.items():
@@ -101,12 +105,14 @@ def run_varlen_step(device, quick: bool, *, n: int = N, max_len: int = MAX_LEN, 
         start = time.perf_counter()
         for b in batches:
             step(b)
+        host = (time.perf_counter() - start) / steps * 1e3
         torch.cuda.synchronize(device)
         wall = (time.perf_counter() - start) / steps * 1e3
         builds = fused_attn.graph_cache.cache_info().builds - builds0
         prof = profile_steps(step, batches[:20], device)
         result.rows.append({"suite": "varlen", "config": config, "mode": "train step", "impl": name,
-                            "wall_ms_per_step": wall, **prof,
+                            "wall_ms_per_step": wall, "host_ms_per_step": host, **prof,
                             "builds": builds if name == "fused_attn" else None,
-                            "note": "warmed up; max_seqlen given; lengths new every step"})
+                            "note": ("no attention: slices, autograd and grad accumulation alone" if name == FLOOR
+                                     else "warmed up; max_seqlen given; lengths new every step")})
     return result

@@ -46,6 +46,15 @@ class ThdRunner:
         self.lowering = L.plan_lowering(spec, spec.score_mod, (bb, h, sq, skv), has_lengths=True)
         self.has_mod = self.lowering.graph_mod is not None
         self.gaps_q, self.gaps = p.q_offsets, p.q_offsets or p.kv_offsets
+        # a top-left band never reaches keys past q_len + right of a sequence: they are not
+        # counted as keys (the kernel loads whole tiles, and NaN there would reach attending
+        # rows); they get zero gradients (see key_range)
+        band = spec.band
+        self.trim_right = None
+        if (band is not None and not band.bottom_right and band.right is not None and not p.same_lengths
+                and spec.score_mod_key is None and not spec.dropout_p):
+            self.trim_right = band.right
+            self.gaps = True
         self.copy_inputs = not p.aligned or any(
             st != (n * dd, dd, 1) for st, n, dd in ((p.q_strides, h, d), (p.k_strides, hkv, d), (p.v_strides, hkv, dv)))
         self.scale = torch.full((1, 1, 1, 1), p.scale, dtype=torch.float32)
@@ -75,6 +84,8 @@ class ThdRunner:
 
     def _bind_lengths(self, bind: Dict[str, Any], thd: VL.ThdBatch) -> None:
         bind["seq_q"], bind["seq_kv"] = thd.seq_q, thd.seq_kv
+        if self.trim_right is not None:  # keys past q_len + right are attended by no query
+            bind["seq_kv"] = torch.minimum(thd.seq_kv, thd.seq_q + self.trim_right)
         for (side, mult), t in thd.offsets.items():
             bind[f"roff_{side}_{mult}"] = t
 
