@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Hashable, Optional, Tuple
 
 from . import validation as V
@@ -53,6 +53,20 @@ class AttentionSpec:
     softmax_type: str = "vanilla"
     dropout_p: float = 0.0
     score_mod: Any = field(default=None, compare=False, hash=False, repr=False)
+    #: A dense call whose band may leave keys no query attends, run on the attended ones
+    #: (`key_range`). Not with a score_mod (it may read positions or key-sized tensors), dropout
+    #: (its mask is laid out over all keys) or padding (served as packed sequences). Derived.
+    trims_keys: bool = field(init=False, compare=False, hash=False, repr=False)
+    _hash: int = field(init=False, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trims_keys", self.band is not None and self.qkv_format != "thd"
+                           and not self.padding and self.score_mod_key is None and not self.dropout_p)
+        # a spec is hashed in every plan lookup: compute the hash once
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def is_packed(self) -> bool:
@@ -62,13 +76,6 @@ class AttentionSpec:
     def has_sinks(self) -> bool:
         return self.softmax_type != "vanilla"
 
-    @property
-    def trims_keys(self) -> bool:
-        """A dense call whose band may leave keys no query attends, run on the attended ones
-        (`key_range`). Not with a score_mod (it may read positions or key-sized tensors), dropout
-        (its mask is laid out over all keys) or padding (served as packed sequences)."""
-        return (self.band is not None and self.qkv_format != "thd" and not self.padding
-                and self.score_mod_key is None and not self.dropout_p)
 
     def describe(self) -> str:
         """One line for errors and `explain`."""

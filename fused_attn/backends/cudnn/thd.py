@@ -85,7 +85,7 @@ class ThdRunner:
     def _bind_lengths(self, bind: Dict[str, Any], thd: VL.ThdBatch) -> None:
         bind["seq_q"], bind["seq_kv"] = thd.seq_q, thd.seq_kv
         if self.trim_right is not None:  # keys past q_len + right are attended by no query
-            bind["seq_kv"] = torch.minimum(thd.seq_kv, thd.seq_q + self.trim_right)
+            bind["seq_kv"] = thd.kv_lengths_within(self.trim_right)
         for (side, mult), t in thd.offsets.items():
             bind[f"roff_{side}_{mult}"] = t
 

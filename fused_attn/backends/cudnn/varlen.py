@@ -14,7 +14,7 @@ uses, plus the value checks as one asynchronous device assertion. Memoized per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -82,6 +82,15 @@ class ThdBatch:
     seq_kv: torch.Tensor
     tok_q: torch.Tensor
     offsets: Dict[Tuple[str, int], torch.Tensor]
+    _within: Dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def kv_lengths_within(self, right: int) -> torch.Tensor:
+        """min(seq_kv, seq_q + right): the keys a top-left band with right bound `right` can
+        reach (computed once per batch and bound)."""
+        t = self._within.get(right)
+        if t is None:
+            t = self._within[right] = torch.minimum(self.seq_kv, self.seq_q + right)
+        return t
 
 
 def check_offset_range(name: str, tokens: int, heads: int, dim: int) -> None:
