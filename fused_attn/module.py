@@ -78,6 +78,11 @@ class DotProductAttention(nn.Module):
             trained per-head sink logit: the parameter `sinks`, shape (H,), initialised to 0).
         attention_dropout: dropout probability on the attention weights, applied in training
             mode only (`module.train()`), with torch's RNG.
+        cp_group: a process group for context parallelism (None: none). The module then takes
+            each rank's sequence shard (`fused_attn.distributed.shard_sequence`) and returns its
+            shard of the output, as `fused_attn.distributed.context_parallel_attention`.
+        cp_comm: "ring" (K/V exchanged point to point, overlapped with compute) or "all_gather".
+        cp_layout: "load_balanced" (rank r holds chunks r and 2N-1-r) or "contiguous".
 
     forward(query, key, value, **overrides): any keyword of `dot_product_attention`
     (attn_mask_type, score_mod, cu_seqlens_q, max_seqlen_q, return_lse, ...) overrides the
@@ -89,9 +94,17 @@ class DotProductAttention(nn.Module):
                  num_gqa_groups: Optional[int] = None, qkv_format: str = "bshd", attn_mask_type: str = "no_mask",
                  window_size: Optional[Tuple[int, int]] = None, softmax_scale: Optional[float] = None,
                  score_mod: Any = None, backend: str = "auto", deterministic: bool = False,
-                 softmax_type: str = "vanilla", attention_dropout: float = 0.0) -> None:
+                 softmax_type: str = "vanilla", attention_dropout: float = 0.0, cp_group: Any = None,
+                 cp_comm: str = "ring", cp_layout: str = "load_balanced") -> None:
         super().__init__()
         self._ready = False
+        if cp_group is not None:
+            from .distributed.context_parallel import CP_COMMS
+            from .distributed.cp_layout import LAYOUTS
+
+            V.check_choice("cp_comm", cp_comm, CP_COMMS)
+            V.check_choice("cp_layout", cp_layout, LAYOUTS)
+        self.cp_group, self.cp_comm, self.cp_layout = cp_group, cp_comm, cp_layout
         self.num_attention_heads = _positive_int("num_attention_heads", num_attention_heads)
         if isinstance(kv_channels, (tuple, list)):
             if len(kv_channels) != 2:
@@ -183,6 +196,11 @@ class DotProductAttention(nn.Module):
             from .distributed import dtensor
 
             return dtensor.module_forward(self, query, key, value, **overrides)
+        if self.cp_group is not None:
+            from .distributed.context_parallel import module_context_parallel
+
+            return module_context_parallel(self, self.cp_group, self.cp_comm, self.cp_layout, query, key, value,
+                                           **overrides)
         eval_spec, train_spec, mod = self._specs
         spec = train_spec if self.training else eval_spec
         varlen = NO_VARLEN
@@ -258,4 +276,6 @@ class DotProductAttention(nn.Module):
         parts.append(f"backend={self._backend!r}")
         if self._deterministic:
             parts.append("deterministic=True")
+        if self.cp_group is not None:
+            parts.append(f"cp_comm={self.cp_comm!r}, cp_layout={self.cp_layout!r}")
         return ", ".join(parts)

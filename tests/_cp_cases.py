@@ -117,6 +117,32 @@ def cp_module(fmt: str, comm: str):
     return case
 
 
+def cp_module_argument(comm: str):
+    """DotProductAttention(..., cp_group=...) takes local shards and returns the local output,
+    equal to the same module without cp_group on the full sequence, forward and backward."""
+    def case(ctx: Ctx) -> None:
+        import torch.distributed as dist
+        from score_mods import softcap
+
+        fd, s = ctx.fd, 4 * ctx.world
+        cfg = dict(num_gqa_groups=2, attn_mask_type="causal", score_mod=softcap(2.0))
+        full = ctx.fa.DotProductAttention(4, 16, **cfg)
+        sharded = ctx.fa.DotProductAttention(4, 16, **cfg, cp_group=dist.group.WORLD, cp_comm=comm)
+        assert f"cp_comm={comm!r}" in repr(sharded)
+        inputs = [ctx.randn(2, s, 4, 16), ctx.randn(2, s, 2, 16), ctx.randn(2, s, 2, 16)]
+        ref_in = [t.clone().requires_grad_(True) for t in inputs]
+        ref = full(*ref_in)
+        dout = ctx.randn(*ref.shape)
+        (ref * dout).sum().backward()
+        loc = [fd.shard_sequence(t).requires_grad_(True) for t in inputs]
+        out = sharded(*loc)
+        (out * fd.shard_sequence(dout)).sum().backward()
+        close(fd.unshard_sequence(out.detach()), ref, cp_bound(ref), f"module cp_group {comm} out")
+        for name, l, r in zip("qkv", loc, ref_in):
+            close(fd.unshard_sequence(l.grad), r.grad, cp_bound(r.grad), f"module cp_group {comm} d{name}")
+    return case
+
+
 def cp_return_lse_and_no_overlap(ctx: Ctx) -> None:
     """return_lse gives the global lse's local rows; cp_overlap=False gives identical results."""
     fd = ctx.fd
@@ -203,6 +229,8 @@ def cp_cases(world: int) -> Dict[str, Callable]:
         cases["cp_ring_alibi_thd_reference"] = cp_position_mod("ring", "alibi", "thd")
         cases["cp_module_sbhd_ring"] = cp_module("sbhd", "ring")
         cases["cp_module_bhsd_all_gather"] = cp_module("bhsd", "all_gather")
+        cases["cp_module_argument_ring"] = cp_module_argument("ring")
+        cases["cp_module_argument_all_gather"] = cp_module_argument("all_gather")
         cases["cp_return_lse_and_no_overlap"] = cp_return_lse_and_no_overlap
         cases["cp_errors"] = cp_errors
     else:

@@ -117,3 +117,11 @@ def test_score_mod_values_changed_before_backward_raise():
     (g,) = torch.autograd.grad(out.sum(), q)
     want = fused_attn.dot_product_attention(q, k, v, score_mod=sm.softcap(50.0))
     torch.testing.assert_close(g, torch.autograd.grad(want.sum(), q)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_context_parallel_arguments_are_checked():
+    with pytest.raises(ValueError, match="cp_layout='zigzag' is not supported"):
+        fused_attn.DotProductAttention(2, 16, cp_group=object(), cp_layout="zigzag")
+    with pytest.raises(ValueError, match="cp_comm='tree' is not supported"):
+        fused_attn.DotProductAttention(2, 16, cp_group=object(), cp_comm="tree")
+    assert fused_attn.DotProductAttention(2, 16).cp_group is None

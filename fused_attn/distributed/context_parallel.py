@@ -38,7 +38,8 @@ from . import cp_ring
 from .cp_layout import LAYOUTS, DenseLayout, ThdLayout
 from .cp_mods import reads_positions
 
-__all__ = ["context_parallel_attention", "ContextParallelAttention", "CP_COMMS", "cp_config"]
+__all__ = ["context_parallel_attention", "ContextParallelAttention", "module_context_parallel", "CP_COMMS",
+           "cp_config"]
 
 CP_COMMS = ("ring", "all_gather")
 _PASS = ("qkv_format", "softmax_scale", "score_mod", "score_mod_tensors", "score_mod_bprop", "score_mod_bprop_tensors",
@@ -224,18 +225,26 @@ class ContextParallelAttention(nn.Module):
         self.attention, self.cp_group, self.cp_comm, self.layout = attention, cp_group, cp_comm, layout
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **overrides: Any):
-        attn = self.attention
-        if attn.softmax_type != "vanilla":
-            raise NotImplementedError(f"context parallelism does not support softmax_type={attn.softmax_type!r}")
-        if attn.training and attn.attention_dropout:
-            raise NotImplementedError("context parallelism does not support attention dropout")
-        kwargs = dict(qkv_format=attn.qkv_format, attn_mask_type=attn.attn_mask_type, window_size=attn.window_size,
-                      softmax_scale=attn.softmax_scale, score_mod=attn._call_mod, backend=attn.backend,
-                      deterministic=attn.deterministic)
-        kwargs.update(overrides)
-        attn._check_config(query, key, value, kwargs["qkv_format"])
-        return context_parallel_attention(query, key, value, self.cp_group, self.cp_comm, layout=self.layout,
-                                          **kwargs)
+        return module_context_parallel(self.attention, self.cp_group, self.cp_comm, self.layout, query, key, value,
+                                       **overrides)
 
     def extra_repr(self) -> str:
         return f"cp_comm={self.cp_comm!r}, layout={self.layout!r}"
+
+
+def module_context_parallel(attn: nn.Module, cp_group: Any, cp_comm: str, layout: str, query: torch.Tensor,
+                            key: torch.Tensor, value: torch.Tensor, **overrides: Any):
+    """`context_parallel_attention` with a `DotProductAttention`'s configuration (qkv_format,
+    attn_mask_type, window_size, softmax_scale, score_mod, backend, deterministic); per-call
+    keywords override it. Used by `ContextParallelAttention` and by `DotProductAttention(...,
+    cp_group=...)`."""
+    if attn.softmax_type != "vanilla":
+        raise NotImplementedError(f"context parallelism does not support softmax_type={attn.softmax_type!r}")
+    if attn.training and attn.attention_dropout:
+        raise NotImplementedError("context parallelism does not support attention dropout")
+    kwargs = dict(qkv_format=attn.qkv_format, attn_mask_type=attn.attn_mask_type, window_size=attn.window_size,
+                  softmax_scale=attn.softmax_scale, score_mod=attn._call_mod, backend=attn.backend,
+                  deterministic=attn.deterministic)
+    kwargs.update(overrides)
+    attn._check_config(query, key, value, kwargs["qkv_format"])
+    return context_parallel_attention(query, key, value, cp_group, cp_comm, layout=layout, **kwargs)
