@@ -18,7 +18,9 @@ Columns: ms per fwd+bwd step (median over iterations, the slowest rank), tflops 
 (causal fwd+bwd FLOPs 3.5 x 2*B*H*S^2*D, divided by N for the distributed rows), speedup =
 single ms / ms, efficiency = speedup / N, hidden_ms = ring_serial - ring (communication the
 overlap hides), exposed_ms = comm_only - hidden_ms, max_err = max|ring out - single out| /
-max|single out| (checked before timing; a wrong result is reported, not timed).
+the float64 reference on the last CHECK_ROWS query rows (those attend to every key), with the
+project's bound (`fused_attn.testing`: 2x the error of the naive bf16 computation plus a floor);
+single and every distributed row are checked before timing (a wrong result is reported, not timed).
 
 Each configuration runs in try/except (an error or OOM becomes a row with a note); rank 0 prints
 versions first and rewrites benchmarks/results/cp_<gpu>x<N>.csv / .md after every row.
@@ -42,10 +44,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fused_attn  # noqa: E402
 import fused_attn.distributed as fd  # noqa: E402
-from fused_attn.bench.common import attn_flops, env_line, environment, gpu_slug, markdown_table  # noqa: E402
+from fused_attn.bench.common import (ImplWrongError, attn_flops, check_tensor, env_line, environment,  # noqa: E402
+                                     gpu_slug, markdown_table, naive_attention, reference_and_bounds)
 from fused_attn.distributed import cp_ring  # noqa: E402
 
-CHECK_TOL = 2e-2  # max|cp - single| / max|single| for two bf16 computations of the same attention
+CHECK_ROWS = 128  # query rows checked against float64 (the last ones: they attend to every key)
 
 
 def parse() -> argparse.Namespace:
@@ -128,8 +131,8 @@ class Writer:
         os.makedirs(out_dir, exist_ok=True)
         self.base = os.path.join(out_dir, f"cp_{gpu_slug(env)}x{world}")
 
-    COLUMNS = ("S", "B", "H", "D", "gpus", "impl", "ms", "tflops", "speedup", "efficiency", "max_err", "hidden_ms",
-               "exposed_ms", "note")
+    COLUMNS = ("S", "B", "H", "D", "gpus", "impl", "ms", "tflops", "speedup", "efficiency", "max_err", "bound",
+               "hidden_ms", "exposed_ms", "note")
 
     def add(self, row: Dict[str, Any]) -> None:
         if dist.get_rank() != 0:
@@ -183,6 +186,32 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def reference_rows(full: List[torch.Tensor], s: int):
+    """(query rows, float64 causal output of those rows (B, rows, H, D), bound) for the last
+    CHECK_ROWS queries of the full problem, by the project's tolerance rule."""
+    rows = torch.arange(max(0, s - CHECK_ROWS), s, device=full[0].device)
+    q, k, v = (t.transpose(1, 2) for t in full[:3])  # logical (B, H, S, D)
+    mask = (torch.arange(s, device=rows.device).view(1, -1) <= rows.view(-1, 1)).view(1, 1, len(rows), s)
+    scale = q.shape[-1] ** -0.5
+    expected, bounds = reference_and_bounds(
+        lambda dt: {"out": naive_attention(q[:, :, rows], k, v, scale=scale, dtype=dt, mask=mask)["out"]}, q.dtype)
+    return rows, expected["out"].transpose(1, 2), bounds["out"]
+
+
+def check_rows(name: str, out: torch.Tensor, rows: torch.Tensor, expected: torch.Tensor, bound: float,
+               row: Dict[str, Any]) -> bool:
+    """Rank 0: the checked rows of a full (B, S, H, D) output against float64; records max_err and
+    bound in `row`; False (and a WRONG note) when above the bound."""
+    row["bound"] = bound
+    try:
+        row["max_err"] = check_tensor(name, "out", out[:, rows], expected, bound)
+        return True
+    except ImplWrongError as exc:
+        row["max_err"] = exc.err
+        row["note"] = f"WRONG: {exc}; not timed"
+        return False
+
+
 def bench_seqlen(args: argparse.Namespace, s: int, writer: Writer) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     b, h, d = args.batch, args.heads, args.dim
@@ -193,17 +222,21 @@ def bench_seqlen(args: argparse.Namespace, s: int, writer: Writer) -> None:
     q, k, v, dout = (fd.shard_sequence(t).requires_grad_(i < 3) for i, t in enumerate(full))
     kw = dict(attn_mask_type="causal", backend="cudnn" if DEVICE == "cuda" else "reference")
     single_ms: Optional[float] = None
-    single_out: Optional[torch.Tensor] = None
+    rows = expected = bound = None
+    if rank == 0:
+        rows, expected, bound = reference_rows(full, s)
+        _empty_cache()
     if not args.no_single:
         row = dict(base, impl="single", gpus=1)
         if rank == 0:
             try:
                 fq, fk, fv = (t.clone().requires_grad_(True) for t in full[:3])
                 single_out = fused_attn.dot_product_attention(fq, fk, fv, **kw).detach()
-                single_ms = time_local(step_fn(lambda a, bb, c: fused_attn.dot_product_attention(a, bb, c, **kw),
-                                               fq, fk, fv, full[3]), args.warmup, args.iters)
-                row.update(ms=single_ms, tflops=flops / single_ms / 1e9)
-                del fq, fk, fv
+                if check_rows("single", single_out, rows, expected, bound, row):
+                    single_ms = time_local(step_fn(lambda a, bb, c: fused_attn.dot_product_attention(a, bb, c, **kw),
+                                                   fq, fk, fv, full[3]), args.warmup, args.iters)
+                    row.update(ms=single_ms, tflops=flops / single_ms / 1e9)
+                del fq, fk, fv, single_out
             except Exception as e:  # noqa: BLE001
                 row["note"] = f"{type(e).__name__}: {str(e)[:160]}"
                 traceback.print_exc()
@@ -219,16 +252,11 @@ def bench_seqlen(args: argparse.Namespace, s: int, writer: Writer) -> None:
                     fd.context_parallel_attention(a, bb, c, None, _comm, cp_overlap=_ov, **kw))
             out = attn(q, k, v).detach()
             gathered = fd.unshard_sequence(out)
-            if rank == 0 and single_out is not None:
-                err = float((gathered.float() - single_out.float()).abs().max() / single_out.float().abs().max())
-                row["max_err"] = err
-            ok = torch.tensor([0 if rank != 0 or "max_err" not in row or row["max_err"] <= CHECK_TOL else 1],
-                              device=DEVICE)
-            dist.all_reduce(ok, op=dist.ReduceOp.MAX)
+            wrong = rank == 0 and not check_rows(impl, gathered, rows, expected, bound, row)
+            flag = torch.tensor([int(wrong)], device=DEVICE)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank skips the timing of a wrong result
             del out, gathered
-            if int(ok):
-                row["note"] = f"WRONG: max_err above {CHECK_TOL}; not timed"
-            else:
+            if not int(flag):
                 ms = time_group(step_fn(attn, q, k, v, dout), args.warmup, args.iters)
                 times[impl] = ms
                 row.update(ms=ms, tflops=flops / ms / 1e9 / world)
@@ -278,7 +306,8 @@ def main() -> int:
     notes = [f"B={args.batch} H={args.heads} D={args.dim} bf16 causal bshd, cuDNN, load-balanced layout; "
              f"ms: median of {args.iters} fwd+bwd steps (slowest rank); tflops per GPU",
              "hidden_ms = ring_serial - ring; exposed_ms = comm_only - hidden_ms",
-             f"max_err: max|ring out - single-GPU out| / max|single-GPU out| (checked at {CHECK_TOL})"]
+             f"max_err: max |out - float64 reference| over the last {CHECK_ROWS} query rows; bound: the project's "
+             "rule (2x the naive bf16 error + floor); checked before timing"]
     writer = Writer(env, args.out, dist.get_world_size(), notes)
     for s in seqlens:
         log(f"-- S = {s}")

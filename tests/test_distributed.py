@@ -352,7 +352,8 @@ def test_bench_cp_cpu_smoke(tmp_path):
                                                             "comm_only")], impls
     assert all(r["ms"] for r in rows)
     assert not any(r["note"] and "overlap hides" not in r["note"] for r in rows), rows
-    assert all(float(r["max_err"]) < 2e-2 for r in rows if r["max_err"])
+    checked = [r for r in rows if r["impl"] != "comm_only"]  # against float64 with the project's bound
+    assert all(0 < float(r["max_err"]) <= float(r["bound"]) for r in checked), checked
 
 
 @pytest.fixture
