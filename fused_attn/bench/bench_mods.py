@@ -38,13 +38,17 @@ class ModCase:
     and the reference's score_fn and/or causal mask."""
 
     def __init__(self, name: str, fused_kwargs: Callable[[], Dict], score_fn: Optional[Callable] = None,
-                 causal: bool = False, flex_score: Optional[Callable] = None, flex_causal: bool = False):
+                 causal: bool = False, flex_score: Optional[Callable] = None, flex_causal: bool = False,
+                 mask_fn: Optional[Callable] = None, note: str = ""):
         self.name, self.fused_kwargs, self.score_fn, self.causal = name, fused_kwargs, score_fn, causal
         self.flex_score, self.flex_causal = flex_score, flex_causal
+        self.mask_fn = mask_fn  # (b, h, q_idx, kv_idx) -> bool: the reference's mask and flex's block mask
+        self.note = note
 
 
 def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
-    """softcap(30), causal (score_mod and native), post_scale_bias, alibi."""
+    """softcap(30), causal (score_mod and native), post_scale_bias, alibi, and NATTEN 2-D when S is
+    a square (a mask score_mod on cuDNN vs flex_attention with the same mask as a block mask)."""
     from score_mods.library import alibi, causal, post_scale_bias, softcap
 
     cap = 30.0
@@ -54,6 +58,18 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
     capped = lambda sc, b_, h_, q, k: cap * torch.tanh(sc / cap)
     biased = lambda sc, b_, h_, q, k: sc + bias[0, h_, q, k]
     alibied = lambda sc, b_, h_, q, k: sc + slopes[h_] * (k - q).to(sc.dtype)
+    side = math.isqrt(s)
+    natten_cases = []
+    if side * side == s and side >= 3:  # NATTEN 2-D on a side x side image, a 13 x 13 (or 3 x 3) kernel
+        from score_mods.gym import natten
+
+        kernel = 13 if side >= 13 else 3
+        mod = natten(side, side, kernel, kernel)
+        natten_cases.append(ModCase(
+            f"natten 2-D {side}x{side} k{kernel}x{kernel}", lambda: {"fused_attn": {"score_mod": mod}},
+            mask_fn=mod.to_flex_mask(),
+            note=f"{kernel * kernel}/{s} keys per query; flex skips empty tiles (block mask), cuDNN computes all "
+                 "tiles; tflops: dense-equivalent"))
     return [
         ModCase("softcap(30)", lambda: {"fused_attn": {"score_mod": softcap(cap)}}, capped, flex_score=capped),
         ModCase("causal", lambda: {"fused_attn_scoremod": {"score_mod": causal()},
@@ -61,7 +77,14 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
         ModCase("post_scale_bias", lambda: {"fused_attn": {"score_mod": post_scale_bias(bias)}}, biased,
                 flex_score=biased),
         ModCase("alibi", lambda: {"fused_attn": {"score_mod": alibi(slopes)}}, alibied, flex_score=alibied),
-    ]
+    ] + natten_cases
+
+
+def _dense_mask(mask_fn: Callable, s: int, device: torch.device) -> torch.Tensor:
+    """(S, S) bool of a mask_mod evaluated on every (q_idx, kv_idx)."""
+    idx = torch.arange(s, device=device)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return torch.as_tensor(mask_fn(zero, zero, idx.view(-1, 1), idx.view(1, -1))).expand(s, s)
 
 
 def _fused_fn(kwargs: Dict, backend: str) -> Callable:
@@ -77,6 +100,8 @@ def _flex_fn(case: ModCase, device: torch.device, b: int, s: int) -> Callable:
     block_mask = None
     if case.flex_causal:
         block_mask = create_block_mask(lambda b_, h_, q, k: q >= k, b, None, s, s, device=device)
+    elif case.mask_fn is not None:
+        block_mask = create_block_mask(case.mask_fn, b, None, s, s, device=device)
 
     def fn(q, k, v):
         o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=case.flex_score,
@@ -101,6 +126,8 @@ def _reference(q, k, v, do, case: ModCase, hs: int, dtype) -> Dict[str, torch.Te
     sl = [t.detach()[:1, :, :hs].transpose(1, 2) for t in (q, k, v, do)]
     s = q.shape[1]
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if case.causal else None
+    if case.mask_fn is not None:
+        mask = _dense_mask(case.mask_fn, s, q.device)
     res = naive_attention(*sl[:3], scale=1 / math.sqrt(q.shape[-1]), dtype=dtype, mask=mask,
                           score_fn=case.score_fn, grad_out=sl[3])
     return {key: t.transpose(1, 2) for key, t in res.items()}
@@ -154,11 +181,13 @@ def run(quick: bool, device: torch.device, *, shape=(B, H, S, D), with_flex: boo
                                 "hs * S^2 <= 2^28 (all heads at S=4096)"])
     for case in cases(device, b, h, s):
         impls = [_impl(name, _fused_fn(kw, backend), q, k, v, do, True) for name, kw in case.fused_kwargs().items()]
-        if with_flex and (case.flex_score is not None or case.flex_causal):
+        if with_flex and (case.flex_score is not None or case.flex_causal or case.mask_fn is not None):
             impls.append(_impl("flex_compiled", _flex_fn(case, device, b, s), q, k, v, do, False))
         expected, bounds = reference_and_bounds(lambda dt: _reference(q, k, v, do, case, hs, dt), q.dtype)
         flops = {m: attn_flops(b, h, s, s, d, causal=case.causal, mode=m) for m in ("fwd", "fwd_bwd")}
         config = f"{case.name} B{b} H{h} S{s} D{d}"
+        if case.note:
+            result.notes.append(f"{config}: {case.note}")
         result.extend(run_config("mods", config, impls, expected, bounds, select, flops, device,
                                  rep_ms=40.0 if quick else 80.0))
         del expected
