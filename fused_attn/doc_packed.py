@@ -95,7 +95,7 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
                                  f"{limit}: {row}")
 
 
-#: Checked global offsets per boundary table: (id, version, S, max_doc_len) -> (table, offsets).
+#: Checked global offsets per boundary table, keyed (id, version, B, S, max_doc_len, device).
 #: A model's layers share one table per step, so only its first call checks and derives them
 #: (and the thd preparation, memoized per offsets tensor, is shared too). An entry keeps its
 #: table alive, so the id cannot be reused while cached; an in-place edit bumps the version.
@@ -109,12 +109,11 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
         check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
         return doc_cu_seqlens(cu_seq, seq_len)
     key = (id(cu_seq), cu_seq._version, batch, seq_len, max_doc_len, device)
-    hit = _OFFSETS.get(key)
-    if hit is not None and hit[0] is cu_seq:
-        return hit[1]
-    check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
-    offsets = doc_cu_seqlens(cu_seq, seq_len)
-    _OFFSETS.put(key, (cu_seq, offsets))
+    offsets = _OFFSETS.get_identity(key, (cu_seq,))
+    if offsets is None:
+        check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
+        offsets = doc_cu_seqlens(cu_seq, seq_len)
+        _OFFSETS.put_identity(key, (cu_seq,), offsets)
     return offsets
 
 

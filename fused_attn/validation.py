@@ -247,11 +247,9 @@ def check_length_values(qkv_format: str, query: torch.Tensor, key: torch.Tensor,
     tokens = (query.shape[0], key.shape[0]) if packed else None
     if query.device.type == "cuda":
         key_ = (tuple((id(t), t._version) for t in tensors), tuple(names), tokens, limits)
-        hit = _CHECKED.get(key_)
-        if hit is not None and all(a is b for a, b in zip(hit, tensors)):
-            return
-        _check_values_on_device(names, tensors, tokens, limits)
-        _CHECKED.put(key_, tuple(tensors))
+        if _CHECKED.get_identity(key_, tuple(tensors)) is None:
+            _check_values_on_device(names, tensors, tokens, limits)
+            _CHECKED.put_identity(key_, tuple(tensors), True)
         return
     rows = dict(zip(names, torch.stack(tensors).tolist()))  # the one host read
     for arg, row in rows.items():
@@ -288,7 +286,7 @@ def _check_max_against(arg: str, value: Optional[int], lengths: List[int], what:
         raise ValueError(f"{arg}={value} is smaller than {what} ({max(lengths)})")
 
 
-#: CUDA cu_seqlens already checked: ((id, version) of each tensor, ...) -> the tensors. An entry
+#: CUDA cu_seqlens already checked, keyed by ((id, version) of each tensor, ...) and pinned to the tensors. An entry
 #: keeps its tensors alive, so an id is never reused while cached, and an in-place edit bumps
 #: the version: a hit means the very same values.
 _CHECKED = BoundedMemo(64, "validation.cu_seqlens")

@@ -116,11 +116,10 @@ def prepare(layout: ThdLayout, varlen, tokens: Tuple[int, int], limits: Tuple[in
     sources = (varlen.cu_seqlens_q, varlen.cu_seqlens_kv, varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded)
     key = tuple(_identity(t) for t in sources) + (tokens, limits, layout.batch_bucket, layout.q_mults,
                                                   layout.kv_mults)
-    hit = _PREPARED.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], sources)):
-        return hit[1]
-    thd = _prepare(layout, *sources, tokens, limits)
-    _PREPARED.put(key, (sources, thd))
+    thd = _PREPARED.get_identity(key, sources)
+    if thd is None:
+        thd = _prepare(layout, *sources, tokens, limits)
+        _PREPARED.put_identity(key, sources, thd)
     return thd
 
 
@@ -164,13 +163,12 @@ def _assert_valid(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool
     and a cat): rows start at 0, lengths in [0, limit] (padded slots: >= 0 and holding their
     sequence), the token-offset rows end at the token counts."""
     rows, buckets = lens.shape
-    big = 2 ** 31 - 1
     lo, hi = [], []
     for r in range(rows):
         if r < n:  # real lengths: q's row first; one shared row serves both limits
             limit = min(limits) if n == 1 else limits[r]
         else:
-            limit = big
+            limit = _INT32_MAX
         lo += [0] * buckets
         hi += [limit] * buckets
     lo += [0] * rows
