@@ -62,5 +62,8 @@ def attention(runner: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                     or any(t.requires_grad for t in extras)):
         return PlanAttention.apply((runner, varlen, mod, sinks), query, key, value, *extras)
+    infer = getattr(runner, "infer", None)
+    if infer is not None:
+        return infer(query, key, value, varlen, mod, sinks)
     out, lse, _, _ = runner.forward(query, key, value, varlen, mod, sinks)
     return out, lse

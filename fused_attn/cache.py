@@ -13,19 +13,20 @@ import gc
 import sys
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Tuple
 
-__all__ = ["GraphKey", "CacheInfo", "GraphCache", "GRAPH_CACHE", "DEFAULT_MAXSIZE"]
+__all__ = ["GraphKey", "CacheInfo", "GraphCache", "GRAPH_CACHE", "DEFAULT_MAXSIZE", "intern_key"]
 
 DEFAULT_MAXSIZE = 128
 
 Dims = Tuple[int, int, int, int]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GraphKey:
     """Everything that changes an SDPA graph's structure.
 
@@ -64,12 +65,23 @@ class GraphKey:
     sinks: bool = False
     dropout: float = 0.0
     _hash: int = field(default=0, init=False, repr=False, compare=False)
+    _key: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.direction not in ("fwd", "bwd"):
             raise ValueError(f"GraphKey.direction must be 'fwd' or 'bwd', got {self.direction!r}")
-        # Keys are hashed on every cache lookup: compute the hash once.
-        object.__setattr__(self, "_hash", hash(self._fields()))
+        # Keys are hashed and compared on every cache lookup (a hit compares the plan's key with
+        # the stored one twice: get and move_to_end): build the field tuple and its hash once.
+        fields = self._fields()
+        object.__setattr__(self, "_key", fields)
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if type(other) is not GraphKey:
+            return NotImplemented
+        return self._hash == other._hash and self._key == other._key
 
     def _fields(self) -> tuple:
         return (
@@ -106,6 +118,18 @@ class GraphKey:
         if self.deterministic:
             parts.append("deterministic")
         return ", ".join(parts)
+
+
+_interned: "weakref.WeakValueDictionary[GraphKey, GraphKey]" = weakref.WeakValueDictionary()
+_intern_lock = threading.Lock()
+
+
+def intern_key(key: GraphKey) -> GraphKey:
+    """The one live GraphKey object equal to `key` (this one if none is alive). Plans of different
+    signatures often share a graph; with one key object, every cache hit is an identity match
+    (weakly held: a key no plan or cache entry uses any more is dropped)."""
+    with _intern_lock:
+        return _interned.setdefault(key, key)
 
 
 class CacheInfo(NamedTuple):

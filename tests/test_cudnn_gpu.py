@@ -276,3 +276,33 @@ def test_warmup_builds_then_call_hits():
     k, v = make("bshd", 2, 2, 128, 64, torch.bfloat16), make("bshd", 2, 2, 128, 64, torch.bfloat16)
     fused_attn.dot_product_attention(q, k, v, backend="cudnn", attn_mask_type="causal").sum().backward()
     assert graph_cache.cache_info().builds == 2
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(attn_mask_type="causal"), dict(attn_mask_type="causal_bottom_right",
+                                                                          window_size=(32, 0)),
+                                dict(score_mod="softcap"), dict(hkv=1)])
+def test_inference_forward_matches_the_training_forward(kw):
+    """No gradient and no lse: the Stats go to the stream's scratch buffer. The output is the
+    training forward's, bit for bit, on two streams, and matches float64."""
+    import fused_attn
+    import score_mods as sm
+
+    kw = dict(kw)
+    hkv = kw.pop("hkv", 4)
+    if kw.get("score_mod") == "softcap":
+        kw["score_mod"] = sm.softcap(20.0)
+    q = make("bshd", 2, 4, 192, 64, torch.bfloat16, requires_grad=False)
+    k, v = (make("bshd", 2, hkv, 256, 64, torch.bfloat16, requires_grad=False) for _ in range(2))
+    with torch.no_grad():
+        got = fused_attn.dot_product_attention(q, k, v, backend="cudnn", **kw)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got_side = fused_attn.dot_product_attention(q, k, v, backend="cudnn", **kw)
+        torch.cuda.current_stream().wait_stream(side)
+    trained = fused_attn.dot_product_attention(q.requires_grad_(), k, v, backend="cudnn", **kw)
+    assert torch.equal(got, trained.detach()) and torch.equal(got_side, got)
+    q_l, k_l, v_l = (to_logical(t.detach(), "bshd") for t in (q, k, v))
+    mask = allowed_mask(192, 256, **{n: x for n, x in kw.items() if n != "score_mod"})
+    score_fn = (lambda s, *_: 20.0 * torch.tanh(s / 20.0)) if "score_mod" in kw else None
+    check(to_logical(got, "bshd"), q_l, k_l, v_l, 1 / 8, mask, score_fn)

@@ -74,6 +74,9 @@ def stub(monkeypatch):
     monkeypatch.setattr(common, "build", fake_build)
     monkeypatch.setattr(runtime, "handle_for", lambda index: None)
     monkeypatch.setattr(runtime, "execute", fake_execute)
+    scratch = {}
+    monkeypatch.setattr(runtime, "scratch_for",
+                        lambda index, numel: scratch.setdefault(numel, torch.empty(numel)))
     orig_get = common.Graphs.get
 
     def get(self, direction):
@@ -138,6 +141,27 @@ def test_dense_runner_lse_given_backward(stub):
     assert lse.shape == (1, 2, 128)
     grads = runner.backward_with_lse(q, k, v, out, lse, NO_VARLEN, mod, None, torch.randn(out.shape).to(out.dtype))
     assert grads[0].shape == q.shape
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_inference_writes_stats_to_the_stream_scratch(stub, monkeypatch, return_lse):
+    """Without gradients and without return_lse, the discarded Stats go to the per-stream scratch
+    buffer (no allocation per call); a returned lse is always a fresh tensor."""
+    q, k, v = (bf16(1, 128, 2, 64) for _ in range(3))
+    runner, mod = runner_for(q, k, v, force_grad=False, backend="cudnn", return_lse=return_lse)
+    binds = []
+    run = runtime.execute
+    monkeypatch.setattr(runtime, "execute", lambda c, b, d: (binds.append(dict(b)), run(c, b, d)))
+    out1, lse1 = runner.infer(q, k, v, NO_VARLEN, mod, None)
+    out2, lse2 = runner.infer(q, k, v, NO_VARLEN, mod, None)
+    assert out1.shape == q.shape and out1.data_ptr() != out2.data_ptr()
+    stats1, stats2 = binds[0]["stats"], binds[1]["stats"]
+    if return_lse:
+        assert lse1.shape == (1, 2, 128) and lse1.data_ptr() != lse2.data_ptr()
+        assert stats1.data_ptr() == lse1.data_ptr()
+    else:
+        assert lse1 is None and lse2 is None
+        assert stats1 is stats2 and stats1.dtype == torch.float32 and stats1.numel() >= 2 * 128
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 128, 128), (2, 1, 128, 128)])

@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ...cache import GRAPH_CACHE, GraphKey, Loaded
+from ...cache import GRAPH_CACHE, GraphKey, Loaded, intern_key
 from . import persist, runtime
 from .graphs import CompiledGraph, build
 
@@ -29,7 +29,7 @@ class Graphs:
     def __init__(self, fwd: GraphKey, bwd: Optional[GraphKey], lowering_mod: Any,
                  operand_templates: Dict[str, torch.Tensor], device_index: int,
                  bwd_lowering: Optional[Tuple[Any, Dict[str, torch.Tensor]]] = None) -> None:
-        self.keys = {"fwd": fwd, "bwd": bwd}
+        self.keys = {"fwd": intern_key(fwd), "bwd": None if bwd is None else intern_key(bwd)}
         fwd_parts = (lowering_mod, _templates(operand_templates))
         self.parts = {"fwd": fwd_parts,
                       "bwd": fwd_parts if bwd_lowering is None else (bwd_lowering[0], _templates(bwd_lowering[1]))}

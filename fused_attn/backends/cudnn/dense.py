@@ -19,6 +19,7 @@ import torch
 
 from ...cache import GraphKey
 from . import lowering as L
+from . import runtime
 from .common import (Graphs, check_runtime_tensors, dropout_rng, grad_output, operand_description, rng_views,
                      sinks_view)
 from .graphs import dense_strides_like
@@ -246,6 +247,19 @@ class DenseRunner:
         lse = stats.view(self.lse_shape) if self.static.spec.return_lse else None
         saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
         return out, lse, saved, (bind, seqs, bias is not None, sinks is not None, mod)
+
+    def infer(self, q, k, v, varlen, mod, sinks):
+        """(out, lse or None) of a call without gradients: when the lse is not returned either, the
+        graph's Stats output goes to the stream's scratch buffer (one allocation less per call)."""
+        numel = self.stats_shape[0] * self.stats_shape[1] * self.stats_shape[2]
+        if self.static.spec.return_lse or self.padding or 4 * numel > runtime.SCRATCH_MAX_BYTES:
+            out, lse, _, _ = self.forward(q, k, v, varlen, mod, sinks)
+            return out, lse
+        (q, k, v), bind, _, _ = self._bind(q, k, v, varlen, mod, sinks)
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+        bind["o"], bind["stats"] = out, runtime.scratch_for(self.dev, numel)
+        self.graphs.run("fwd", bind)
+        return out, None
 
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
         """Gradients from a given output and fp32 lse (B, H, Sq), e.g. of a larger attention this

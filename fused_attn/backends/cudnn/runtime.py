@@ -4,6 +4,8 @@
 * The stream is read with `torch._C._cuda_getCurrentRawStream` (a fraction of a microsecond,
   against several for `torch.cuda.current_stream()`) and set on the handle before every execute
   (`cudnn.set_stream` is cheap when the stream is unchanged).
+* Scratch: likewise one grow-only buffer per (device, stream) for outputs a graph writes and no
+  one reads (the forward's Stats when neither a backward nor the lse will use it).
 * Workspace: one grow-only uint8 buffer per (device, stream). Work on one stream is ordered, so
   reusing the buffer is safe; a buffer replaced when growing goes back to torch's caching
   allocator, which keeps it until the stream's queued work is done. A per-call allocation
@@ -20,11 +22,16 @@ import torch
 
 from .graphs import CompiledGraph
 
-__all__ = ["handle_for", "workspace_for", "execute", "current_stream", "release_all", "release_workspaces"]
+__all__ = ["handle_for", "workspace_for", "scratch_for", "execute", "current_stream", "release_all",
+           "release_workspaces", "SCRATCH_MAX_BYTES"]
 
 _local = threading.local()
 _ws_lock = threading.Lock()
 _workspaces: Dict[Tuple[int, int], torch.Tensor] = {}
+_scratch: Dict[Tuple[int, int], torch.Tensor] = {}
+#: the largest discarded output served from the scratch buffer (larger ones are allocated: their
+#: kernels dwarf an allocation, and the buffer is held as long as its stream is used)
+SCRATCH_MAX_BYTES = 16 << 20
 
 
 def handle_for(device_index: int) -> Any:
@@ -54,6 +61,7 @@ def release_all() -> None:
             delattr(_local, name)
     with _ws_lock:
         _workspaces.clear()
+        _scratch.clear()
 
 
 def current_stream(device_index: int) -> int:
@@ -74,10 +82,25 @@ def workspace_for(device_index: int, stream: int, nbytes: int) -> torch.Tensor:
     return ws
 
 
+def scratch_for(device_index: int, numel: int) -> torch.Tensor:
+    """An fp32 buffer of at least `numel` elements (numel * 4 <= SCRATCH_MAX_BYTES) on the current
+    stream of `device_index`, reused per (device, stream), for graph outputs nothing reads."""
+    key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        with _ws_lock:
+            buf = _scratch.get(key)
+            if buf is None or buf.numel() < numel:
+                buf = torch.empty(max(numel, 1), dtype=torch.float32, device=torch.device("cuda", device_index))
+                _scratch[key] = buf
+    return buf
+
+
 def release_workspaces() -> None:
-    """Drop every cached workspace buffer (used when the graph cache is cleared)."""
+    """Drop every cached workspace and scratch buffer (used when the graph cache is cleared)."""
     with _ws_lock:
         _workspaces.clear()
+        _scratch.clear()
 
 
 def _thread_state(device_index: int) -> list:
