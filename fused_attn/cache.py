@@ -120,7 +120,7 @@ class GraphKey:
         return ", ".join(parts)
 
 
-_interned: "weakref.WeakValueDictionary[GraphKey, GraphKey]" = weakref.WeakValueDictionary()
+_interned: "weakref.WeakValueDictionary[tuple, GraphKey]" = weakref.WeakValueDictionary()
 _intern_lock = threading.Lock()
 
 
@@ -129,7 +129,7 @@ def intern_key(key: GraphKey) -> GraphKey:
     signatures often share a graph; with one key object, every cache hit is an identity match
     (weakly held: a key no plan or cache entry uses any more is dropped)."""
     with _intern_lock:
-        return _interned.setdefault(key, key)
+        return _interned.setdefault(key._key, key)  # keyed by the field tuple: the key object stays weak
 
 
 class CacheInfo(NamedTuple):

@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from fused_attn.cache import CacheInfo, GraphCache, GraphKey
+from fused_attn.cache import CacheInfo, GraphCache, GraphKey, intern_key
 
 
 def make_key(**overrides) -> GraphKey:
@@ -31,6 +31,33 @@ CHANGES = {
     "device_index": 1, "backend_version": 91900, "bias": ((1, 4, 128, 128), (65536, 16384, 128, 1), "float32", True),
     "sinks": True, "dropout": 0.1,
 }
+
+
+@pytest.mark.parametrize("field_name", sorted(CHANGES))
+def test_keys_differing_in_one_field_are_unequal(field_name):
+    a, b = make_key(), make_key(**{field_name: CHANGES[field_name]})
+    assert a == make_key() and hash(a) == hash(make_key())
+    assert a != b and b != a and not (a == b)
+    assert a != (a._key) and a != "fwd"
+
+
+def test_equal_keys_intern_to_one_object_held_weakly():
+    def intern_two_and_build(cache):
+        a, b = make_key(), make_key()
+        same = (a is not b, intern_key(a) is a, intern_key(b) is a)
+        cache.get_or_build(intern_key(b), lambda: "graph")
+        hit = cache.get_or_build(a, lambda: "rebuilt")
+        return same, hit, weakref.ref(a)
+
+    cache = GraphCache(maxsize=4)
+    same, hit, probe = intern_two_and_build(cache)
+    assert same == (True, True, True) and hit == "graph"
+    assert probe() is not None  # the cache entry holds the key
+    cache.clear()
+    gc.collect()
+    assert probe() is None  # the intern table itself holds keys weakly
+    c = make_key()
+    assert intern_key(c) is c
 
 
 def test_key_fields_all_covered():
