@@ -109,30 +109,49 @@ def test_sinks_dense(softmax_type, mask, hkv):
     check_dense(out, grads, q, k, v, do, 0.125, m, None, ref_sinks)
 
 
-def test_sinks_thd_forward_on_cudnn_backward_refused_below_9_26():
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+@pytest.mark.parametrize("window", [None, (15, 0)])
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_sinks_thd_forward_and_backward_on_cudnn(softmax_type, window, hkv):
+    """Packed sinks on cuDNN, gradients included (below cuDNN 9.26 the backward graph has no sink
+    token: dQ/dK/dV come from the sink-aware Stats and dSink from a reduction), against float64
+    per sequence; a sequence with one token and one longer than a 128-key tile."""
     lens = [5, 130, 1, 64]
     cu = torch.tensor([0, 5, 135, 136, 200], dtype=torch.int32, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(200, 4, 64, device="cuda", dtype=DT, generator=g) for _ in range(3))
-    sinks = torch.tensor([0.3, -0.7, 1.5, 0.0], device="cuda")
+    q = torch.randn(200, 4, 64, device="cuda", dtype=DT, generator=g).requires_grad_()
+    k, v = (torch.randn(200, hkv, 64, device="cuda", dtype=DT, generator=g).requires_grad_() for _ in range(2))
+    do = torch.randn(200, 4, 64, device="cuda", dtype=DT, generator=g)
+    sinks = None
+    if softmax_type == "learnable":
+        sinks = torch.tensor([0.3, -0.7, 1.5, 0.0], device="cuda", requires_grad=True)
     kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=130,
-              max_seqlen_kv=130, softmax_type="learnable", return_lse=True)
+              max_seqlen_kv=130, softmax_type=softmax_type, window_size=window, return_lse=True)
     out, lse = fused_attn.dot_product_attention(q, k, v, sinks=sinks, backend="cudnn", **kw)
+    wrt = (q, k, v) + (() if sinks is None else (sinks,))
+    grads = torch.autograd.grad(out, wrt, do)
+    ref_sinks = torch.zeros(4, device="cuda") if sinks is None else sinks.detach()
+    want_dsink = torch.zeros(4, dtype=torch.float64, device="cuda")
+    dsink_bound = 0.0  # dSink sums over sequences: so do the per-sequence bounds
     for i, n in enumerate(lens):  # per-sequence dense check with the tolerance rule
         a, b = int(cu[i]), int(cu[i + 1])
-        sl = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
-        m = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
-        exact, exact_lse = reference_attention(*sl, 0.125, m, None, sinks)
-        assert_close(out[a:b].transpose(0, 1)[None], exact, tolerance(*sl, 0.125, DT, m, None, sinks), f"out seq {i}")
+        sl = [t.detach()[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+        dsl = do[a:b].transpose(0, 1)[None]
+        left = -1 if window is None else window[0]
+        idx = torch.arange(n, device="cuda")
+        m = (idx.view(1, -1) <= idx.view(-1, 1)) & ((idx.view(-1, 1) - idx.view(1, -1) <= left) | (left < 0))
+        exact, exact_lse = reference_attention(*sl, 0.125, m, None, ref_sinks)
+        assert_close(out[a:b].transpose(0, 1)[None], exact, tolerance(*sl, 0.125, DT, m, None, ref_sinks),
+                     f"out seq {i}")
         assert_close(lse[:, a:b][None], exact_lse, 1e-2, f"lse seq {i}")
-    from fused_attn.backends.cudnn import version
-
-    qg = q.clone().requires_grad_()
-    if version.backend_version() < 92600:
-        with pytest.raises(NotImplementedError, match="9.26"):
-            fused_attn.dot_product_attention(qg, k, v, sinks=sinks, backend="cudnn", **kw)
-        with pytest.warns(fused_attn.FallbackWarning, match="9.26"):
-            fused_attn.dot_product_attention(qg, k, v, sinks=sinks, **kw)
+        want, bounds = grad_tolerances(*sl, dsl, 0.125, DT, m, None, ref_sinks)
+        for name, got, w, bound in zip(("dq", "dk", "dv"), grads, want, bounds):
+            assert_close(got[a:b].transpose(0, 1)[None], w, bound, f"{name} seq {i}")
+        if sinks is not None:
+            want_dsink += want[3]
+            dsink_bound += bounds[3]
+    if sinks is not None:
+        assert_close(grads[3], want_dsink, dsink_bound, "dsinks")
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, DT])

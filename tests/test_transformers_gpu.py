@@ -106,15 +106,17 @@ def test_decoding_with_a_cache_matches_eager(family):
     assert max_error(got, exact) <= bound
 
 
-def test_auto_backend_runs_dense_models_on_cudnn():
-    """backend="auto" (the default registration) serves the dense batches without falling back."""
+@pytest.mark.parametrize("kind", ["dense", "packed"])
+def test_auto_backend_runs_models_on_cudnn(kind):
+    """backend="auto" (the default registration) serves dense and packed batches of every family
+    (gpt-oss's sinks on packed batches included) without falling back."""
     from fused_attn import FallbackWarning
 
     import warnings
 
     for family in FAMILIES:
         _, m16 = gpu_models(family)
-        batch = make_batch("dense", length=LENGTH)
+        batch = make_batch(kind, length=LENGTH)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             run(m16, fa_hf.NAME, batch)

@@ -40,9 +40,6 @@ def refusal(problem: Any) -> Optional[str]:
     if (band is not None and band.bottom_right and spec.padding and problem.seqlen_q > problem.seqlen_kv):
         return (f"cuDNN's bottom-right band needs Sq <= Skv with padded batches, got Sq={problem.seqlen_q} > "
                 f"Skv={problem.seqlen_kv}")
-    if spec.has_sinks and problem.is_packed and problem.needs_grad and version.backend_version() < 92600:
-        return ("attention sinks on packed (thd) batches need cuDNN >= 9.26 for the backward (older versions read out "
-                f"of bounds in its dot(dO, O) pre-pass); this is cuDNN {version.backend_version()}")
     mod = spec.score_mod
     if mod is not None:
         why = _mod_refusal(problem, mod)

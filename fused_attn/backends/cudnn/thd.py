@@ -22,6 +22,9 @@ from .graphs import thd_strides
 
 __all__ = ["ThdRunner"]
 
+#: the first cuDNN whose ragged SDPA backward takes a sink token (older ones are declined by the frontend)
+_RAGGED_SINK_BWD_VERSION = 92600
+
 
 class ThdRunner:
     """forward/backward of one packed plan on cuDNN."""
@@ -69,7 +72,14 @@ class ThdRunner:
                       operands=operand_description(operands), device_index=self.dev, backend_version=version,
                       bias=None, sinks=self.sinks is not None, dropout=spec.dropout_p)
         fwd_key = GraphKey(direction="fwd", deterministic=False, **common)
-        bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
+        # cuDNN < 9.26 declines a ragged backward with a sink token (an out-of-bounds read in its
+        # dot(dO, O) pre-pass). The sink needs no place in the backward graph: given the
+        # forward's Stats (whose lse includes the sink) the plain backward's weights
+        # exp(s - lse) and D = rowsum(dO * O) are the sink-aware ones, so dQ, dK, dV are exact,
+        # and dSink = -sum_t exp(sink - lse_t) D_t is a reduction (`_sink_grad`).
+        self.sink_in_bwd = self.sinks is not None and version >= _RAGGED_SINK_BWD_VERSION
+        bwd_common = dict(common, sinks=self.sink_in_bwd)
+        bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **bwd_common) if p.needs_grad else None
         self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev)
         self.graphs.build_all()
 
@@ -145,12 +155,27 @@ class ThdRunner:
         d_o = grad_output(grad_out, out)
         alloc = torch.zeros if self.gaps else torch.empty
         grads = [alloc(tuple(t.shape), dtype=t.dtype, device=t.device) for t in (q, k, v)]
-        bind = {n: t for n, t in bind_fwd.items() if n not in ("o", "stats")}
+        dropped = ("o", "stats") if self.sink_in_bwd else ("o", "stats", "sink")
+        bind = {n: t for n, t in bind_fwd.items() if n not in dropped}
         bind.update(o=out, dO=d_o, stats=stats, dQ=grads[0], dK=grads[1], dV=grads[2])
         d_sink = None
-        if self.sinks is not None:  # the graph always writes dSink, also when no sink needs it
+        if self.sink_in_bwd:  # the graph always writes dSink, also when no sink needs it
             d_sink = bind["dSink"] = torch.empty((1, self.heads, 1, 1), dtype=torch.float32, device=q.device)
         self.graphs.run("bwd", bind)
+        if not has_sinks:
+            return tuple(grads)
+        if d_sink is None:
+            d_sink = self._sink_grad(bind_fwd["sink"], stats, thd, out, d_o)
         # cast only after the run: a cast taken before it would copy the unwritten buffer
-        extra = (d_sink.view(-1).to(saved[5].dtype),) if has_sinks else ()
-        return tuple(grads) + extra
+        return tuple(grads) + (d_sink.view(-1).to(saved[5].dtype),)
+
+    def _sink_grad(self, sink: torch.Tensor, stats: torch.Tensor, thd: VL.ThdBatch, out: torch.Tensor,
+                   d_o: torch.Tensor) -> torch.Tensor:
+        """dSink (H,) fp32 = -sum over query tokens of exp(sink_h - lse_t,h) * rowsum(dO * O)_t,h: the
+        sink's column of dS = P * (dP - D) has dP = 0 (the sink has no value). lse (with the sink)
+        is gathered from the forward's Stats; tokens outside every sequence contribute nothing."""
+        tokens = out.shape[0]
+        lse = VL.gather_lse(stats, thd, tokens)  # (H, T); -inf off real tokens
+        dot = (d_o.float() * out.float()).sum(-1).t()  # (H, T)
+        weight = torch.exp(sink.view(-1, 1) - lse)
+        return -(torch.where(torch.isfinite(lse), weight, 0.0) * dot).sum(1)
