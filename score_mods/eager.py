@@ -48,11 +48,13 @@ def _tensor(x: Any, ref: Any, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(ref, (list, tuple)):
         ref = _first_t(ref)
     device = ref.device if _is_t(ref) else None
+    # torch.full, not torch.tensor: a factory op traces under flex_attention's compiled mask
+    # (torch.tensor of a Python number is a lifted constant that its fake-tensor vmap rejects)
     if isinstance(x, bool):
-        return torch.tensor(x, device=device)
+        return torch.full((), x, dtype=torch.bool, device=device)
     if isinstance(x, int):
-        return torch.tensor(x, dtype=torch.int64, device=device)
-    return torch.tensor(x, dtype=dtype, device=device)
+        return torch.full((), x, dtype=torch.int64, device=device)
+    return torch.full((), x, dtype=dtype, device=device)
 
 
 def gather(t: torch.Tensor, n: Node, idx: list, clamp_b: bool = False) -> torch.Tensor:

@@ -489,7 +489,7 @@ class TracedMod(ScoreMod):
         def flex_mask(b, h, q_idx, kv_idx):
             env = {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, "q_len": q_len, "kv_len": kv_len}
             out = eager_mod.evaluate(cond, env, self._params())
-            return out if isinstance(out, torch.Tensor) else torch.tensor(bool(out))
+            return out if isinstance(out, torch.Tensor) else torch.full((), bool(out), dtype=torch.bool, device=q_idx.device)
 
         flex_mask.__name__ = f"{self.name}_flex_mask"
         return flex_mask
