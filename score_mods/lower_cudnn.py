@@ -64,8 +64,9 @@ IN_GRAPH: Dict[str, Optional[str]] = {
 
 #: cuDNN's backward recomputed irregular masks wrongly on H100/H200 (document ids; 2-D
 #: neighbourhoods: dQ off by up to 4.0) while the forward was right. While False, a mod whose
-#: where() condition reads a graph input (a tensor view or a materialized operand) reports
-#: has_backward = False (its gradients come from the reference backend). Flip after a GPU probe.
+#: where() condition reads a graph input that varies along kv_idx (a tensor view or a
+#: materialized operand) reports has_backward = False (its gradients come from the reference
+#: backend); conditions over query-axis inputs only were measured right (H200, cuDNN 9.19).
 IRREGULAR_MASK_BACKWARD = False
 
 #: recipe -> (table entries it needs, builder of the expansion over the op's arguments)
@@ -544,6 +545,11 @@ class Plan:
     (tensor parameter, axes). materialized: operand name ("mat<k>@<axes>") -> Materialized;
     length_materialized: those that read q_len/kv_len (dense problems only).
     mask_reads_inputs: a select's condition reads a view or a materialized operand.
+    mask_reads_key_inputs: ... one that varies along kv_idx (cuDNN 9.19's backward recomputes those
+    masks wrongly; masks over query-axis inputs, e.g. per-query document bounds, are right).
+    kv_broadcast_operands: operands varying along kv_idx but broadcast along q_idx ((.., 1, Skv)):
+    cuDNN 9.19's backward reads them wrongly (measured: w[kv_idx] terms, ids[kv_idx] masks; full
+    (.., Sq, Skv) operands and (.., Sq, 1) ones are right).
     unsupported: why the cuDNN lowering cannot run this mod (empty when it can).
     """
 
@@ -587,6 +593,21 @@ class Plan:
             n.op == "select" and any(x.op in ("tparam", "mat") for x in topo_order(n.args[2]))
             for n in topo_order(self.forward)
         )
+        kv_only = {name for name, (_, axes) in self.views.items() if "kv_idx" in axes and "q_idx" not in axes}
+        kv_only |= {name for name, m in self.materialized.items() if "kv_idx" in m.axes and "q_idx" not in m.axes}
+        self.kv_broadcast_operands = tuple(sorted(kv_only))
+        # a mask whose condition reads an operand varying along the keys (a view or a materialized one)
+        self.mask_reads_key_inputs = any(
+            n.op == "select" and any(_varies_along_keys(self, x) for x in topo_order(n.args[2]))
+            for n in topo_order(self.forward)
+        )
+
+    def operand_axes(self, leaf: Node) -> Tuple[str, ...]:
+        """The index axes a graph-input leaf ("tparam" view or "mat") varies along."""
+        if leaf.op == "tparam":
+            return tuple(leaf.attr[1])
+        mat = self.materialized.get(leaf.attr)
+        return () if mat is None else tuple(mat.axes)
 
     def view_leaf(self, n: Node, axes: Tuple[str, ...]) -> Node:
         leaf = Node("tparam", attr=(n.attr, axes), dtype=n.dtype)
@@ -612,6 +633,10 @@ class Plan:
             "in_graph": ops,
             "unsupported": list(self.unsupported),
         }
+
+
+def _varies_along_keys(plan: Plan, n: Node) -> bool:
+    return n.op in ("tparam", "mat") and "kv_idx" in plan.operand_axes(n)
 
 
 @functools.lru_cache(maxsize=256)

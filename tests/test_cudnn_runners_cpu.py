@@ -242,7 +242,10 @@ def test_key_length_64_mod_128_pads_the_backward(stub, skv, with_softcap):
     if with_softcap:  # a bias next to a score_mod: refused at this key length
         with pytest.raises(Refusal, match="64 mod 128"):
             runner_for(q, k, v, backend="cudnn", score_mod=sm.compose(sm.softcap(5.0), sm.post_scale_bias(bias)))
-        runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=sm.softcap(5.0))
+        with pytest.raises(Refusal, match="no causal mask"):  # the padded form crashes the 9.19 planner
+            runner_for(q, k, v, backend="cudnn", score_mod=sm.softcap(5.0))
+        runner, mod = runner_for(q, k, v, backend="cudnn", score_mod=sm.softcap(5.0),
+                                 attn_mask_type="causal_bottom_right")
         assert runner.kv_pad == 64
         full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [])
         return
@@ -325,3 +328,47 @@ def test_trained_bias_under_a_causal_mask_runs_as_band_plus_bias(stub):
     low = runner.lowering
     assert low.graph_mod is None and low.band is not None and low.band[2] is False and low.bias == "dense"
     full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [(2, 8)])
+
+
+def _kv_and_q_mods():
+    from score_mods import TensorParam, score_mod, where
+
+    @score_mod(name="key_bias")
+    def key_bias(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
+        return score + w[kv_idx]
+
+    @score_mod(name="query_bias")
+    def query_bias(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
+        return score + w[q_idx]
+
+    @score_mod(name="doc_bounds")
+    def doc_bounds(score, b, h, q_idx, kv_idx, lo=TensorParam("int"), hi=TensorParam("int")):
+        return where((kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx]), score, float("-inf"))
+
+    ids = torch.arange(128) // 32
+    lo, hi = torch.searchsorted(ids, ids), torch.searchsorted(ids, ids, right=True)
+    w = torch.randn(128)
+    return {"key_bias": key_bias(w=w), "query_bias": query_bias(w=w), "doc_bounds": doc_bounds(lo=lo, hi=hi),
+            "document_mask": sm.document_mask(ids)}
+
+
+@pytest.mark.parametrize("name", ["key_bias", "query_bias", "doc_bounds", "document_mask"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_backward_refused_exactly_for_inputs_varying_along_keys_only(name, grad):
+    """cuDNN 9.19's backward reads graph inputs broadcast along the queries ((.., 1, Skv): w[kv_idx],
+    ids[kv_idx]) wrongly (H200 probe: dQ/dK/dV off by O(1)); inputs along the queries are right. So
+    with gradients, exactly the mods reading a key-axis input in the graph are refused, with the reason."""
+    from fused_attn.backends.cudnn import _mod_refusal
+
+    mod = _kv_and_q_mods()[name]
+    q, k, v = (bf16(1, 2, 128, 64, grad=grad) for _ in range(3))
+    spec, m = resolve_spec(qkv_format="bhsd", score_mod=mod, backend="cudnn")
+    problem = _static_problem(spec, m, q, k, v, NO_VARLEN, None, grad)
+    why = _mod_refusal(problem, spec.score_mod)
+    if not grad or name in ("query_bias", "doc_bounds"):
+        assert why is None
+    elif name == "key_bias":
+        assert "w@k" in why and "along the keys only" in why
+    else:
+        assert "no correct cuDNN backward" in why
+    assert mod.has_backward == (name != "document_mask")

@@ -69,6 +69,14 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
     trained = frozenset(t[0] for t in problem.mod_tensors if t[-1] and problem.needs_grad)
     mode = bias_mode(mod, trained)
     score_part, bias_part = split(mod) if mode is not None else (mod, None)
+    if problem.needs_grad and score_part is not None:
+        plan = getattr(score_part, "plan", None)
+        kv_only = () if plan is None else plan.kv_broadcast_operands
+        if kv_only:
+            return (f"score_mod {mod.name!r} reads {', '.join(kv_only)} inside the graph: an input that varies "
+                    "along the keys only (a (.., 1, Skv) view such as w[kv_idx]), which cuDNN 9.19's backward reads "
+                    "wrongly (measured on H200: dQ/dK/dV off by O(1) while the forward is right); pass the term as "
+                    "a full (.., Sq, Skv) bias (post_scale_bias), or use backend='reference'")
     facts = mod.trainable() if hasattr(mod, "trainable") else {}
     axes = _tensor_axes(mod)
     bias_names = set() if bias_part is None else set(_tensor_axes(bias_part))

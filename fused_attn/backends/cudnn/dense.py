@@ -124,6 +124,13 @@ class DenseRunner:
             raise Refusal("a key length 64 mod 128 with a bias next to a score_mod: cuDNN 9.19's backward can write NaN "
                           "into dQ there, and its padded-key formulation (seq_len + score_mod + bias input) crashes the "
                           "9.19 planner; pad the keys to a multiple of 128 or use backend='reference'")
+        band = spec.band
+        if self.has_mod and not (band is not None and band.left is None and band.right == 0):
+            raise Refusal("a key length 64 mod 128 with a score_mod and no causal mask: cuDNN 9.19's backward can write "
+                          "NaN into dQ there (rows whose lse falls below -88.7), and its padded-key formulation (keys "
+                          "masked past the real length next to the score_mod) crashes the 9.19 planner unless the "
+                          "mask is causal (measured on H200 with softcap, ALiBi and relative-position mods); pad the "
+                          "keys to a multiple of 128 or use backend='reference'")
         if self.has_mod and self.lowering.user_mod is not None and self.lowering.user_mod.needs_host_lengths:
             raise Refusal("a key length 64 mod 128 with a score_mod that folds q_len / kv_len: cuDNN 9.19's backward "
                           "can write NaN into dQ there, and the padded formulation cannot fold the lengths")
