@@ -372,3 +372,18 @@ def test_backward_refused_exactly_for_inputs_varying_along_keys_only(name, grad)
     else:
         assert "no correct cuDNN backward" in why
     assert mod.has_backward == (name != "document_mask")
+
+
+def test_operand_memo_follows_in_place_value_changes(stub):
+    """The runner reuses a mod's bound operands across calls, and a value changed in place
+    (take_values: what a module's score_mod assignment does) is bound on the next call."""
+    q, k, v = (bf16(1, 128, 2, 64) for _ in range(3))
+    mod = sm.softcap(30.0).private_copy()
+    runner, _ = runner_for(q, k, v, backend="cudnn", score_mod=mod, attn_mask_type="causal")
+    first = runner._operands(mod)
+    assert runner._operands(mod).keys() == first.keys()
+    caps = [n for n in first if n.startswith("sm:") and first[n].numel() == 1 and first[n].device.type == "cpu"]
+    assert caps and any(float(first[n]) == 30.0 for n in caps)
+    assert mod.take_values(sm.softcap(50.0))
+    after = runner._operands(mod)
+    assert any(float(after[n]) == 50.0 for n in caps) and not any(float(after[n]) == 30.0 for n in caps)
