@@ -67,6 +67,16 @@ def _doc2(score, b, h, q_idx, kv_idx, doc_ids=TensorParam("int")):
     return where(doc_ids[b, q_idx] == doc_ids[b, kv_idx], score, _NEG_INF)
 
 
+@score_mod(name="document_mask_runs")
+def _doc_runs1(score, b, h, q_idx, kv_idx, run_start=TensorParam("int"), run_end=TensorParam("int")):
+    return where((kv_idx >= run_start[q_idx]) & (kv_idx < run_end[q_idx]), score, _NEG_INF)
+
+
+@score_mod(name="document_mask_runs")
+def _doc_runs2(score, b, h, q_idx, kv_idx, run_start=TensorParam("int"), run_end=TensorParam("int")):
+    return where((kv_idx >= run_start[b, q_idx]) & (kv_idx < run_end[b, q_idx]), score, _NEG_INF)
+
+
 @score_mod(name="padding_mask")
 def _padding(score, b, h, q_idx, kv_idx):
     return where((q_idx < q_len()) & (kv_idx < kv_len()), score, _NEG_INF)
@@ -215,10 +225,36 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def document_mask(doc_ids: torch.Tensor) -> TracedMod:
-    """Attend iff doc_ids[q_idx] == doc_ids[kv_idx]; doc_ids (S,) or (B, S) int32/int64 (Sq == Skv == S)."""
+def document_mask(doc_ids: torch.Tensor, contiguous: bool = False) -> TracedMod:
+    """Attend iff doc_ids[q_idx] == doc_ids[kv_idx]; doc_ids (S,) or (B, S) int32/int64 (Sq == Skv == S).
+
+    contiguous=True: attend iff q_idx and kv_idx lie in the same *run* of equal ids, written as
+    per-query bounds run_start[q_idx] <= kv_idx < run_end[q_idx] (computed on the device, no
+    host read). The same mask when every document is one contiguous run (packed documents:
+    ids = [0 0 0 1 1 2 ...]); an id that comes back later ([0 0 1 0]) starts a new document.
+    Its backward runs on cuDNN, which computes the equality form's backward wrongly (cuDNN 9.19
+    reads the key-axis ids[kv_idx] wrongly there), so that form trains on the reference."""
     t = _check_tensor("document_mask", "doc_ids", doc_ids, (1, 2), False)
-    return (_doc1 if t.dim() == 1 else _doc2)(doc_ids=t)
+    if not isinstance(contiguous, bool):
+        raise TypeError(f"document_mask: contiguous must be a bool, got {contiguous!r}")
+    if not contiguous:
+        return (_doc1 if t.dim() == 1 else _doc2)(doc_ids=t)
+    start, end = _run_bounds(t)
+    return (_doc_runs1 if t.dim() == 1 else _doc_runs2)(run_start=start, run_end=end)
+
+
+def _run_bounds(ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(run_start, run_end) int64, shaped like ids (.., S): the first index of each position's run
+    of equal ids and one past its last (device ops: a cummax and a reversed cummin)."""
+    s = ids.shape[-1]
+    pos = torch.arange(s, device=ids.device).expand(ids.shape)
+    starts = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    run_start = torch.where(starts, pos, torch.zeros_like(pos)).cummax(-1).values
+    ends = torch.ones_like(starts)
+    ends[..., :-1] = starts[..., 1:]
+    run_end = torch.where(ends, pos + 1, torch.full_like(pos, s)).flip(-1).cummin(-1).values.flip(-1)
+    return run_start, run_end
 
 
 # --------------------------------------------------------------------------- composition

@@ -32,6 +32,8 @@ def _mods(dev):
         "alibi": sm.alibi(sm.alibi_slopes(H).to(dev)),
         "document_mask_1d": sm.document_mask(ids[0]),
         "document_mask_2d": sm.document_mask(ids),
+        "document_mask_runs_1d": sm.document_mask(ids[0], contiguous=True),  # trains on cuDNN
+        "document_mask_runs_2d": sm.document_mask(ids, contiguous=True),
         "compose": sm.compose(sm.softcap(5.0), sm.alibi(sm.alibi_slopes(H).to(dev)), sm.causal()),
     }
 

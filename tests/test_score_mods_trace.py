@@ -268,7 +268,7 @@ def test_decoration_time_errors():
         def power(score, b, h, q_idx, kv_idx):
             return pow(score, 2, 3)
 
-    with pytest.raises(TypeError, match="where\(\) needs a condition"):
+    with pytest.raises(TypeError, match=r"where\(\) needs a condition"):
         @sm.score_mod
         def wherefloat(score, b, h, q_idx, kv_idx):
             return sm.where(score, score, 0.0)
@@ -279,3 +279,34 @@ def test_decoration_time_errors():
         sm.softcap()(torch.zeros(1), 0, 0, 0, 0)
     with pytest.raises(ValueError, match="TensorParam kind must be one of"):
         sm.TensorParam("string")
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_document_mask_runs_equal_the_equality_form_for_packed_documents(batched):
+    """contiguous=True (per-query run bounds, the form cuDNN trains) is the equality mask when each
+    document is one run, forward and backward on the reference backend in float64; an id that
+    comes back later starts a new document there (documented), so the forms differ then."""
+    import fused_attn
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.sort(torch.randint(0, 5, (2, 48), generator=g), dim=1).values
+    ids = ids if batched else ids[0]
+    q, k, v, do = (torch.randn(2, 3, 48, 16, generator=g, dtype=torch.float64) for _ in range(4))
+
+    def run(mod):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fused_attn.dot_product_attention(*leaves, qkv_format="bhsd", score_mod=mod, backend="reference")
+        return [out] + list(torch.autograd.grad(out, leaves, do))
+
+    for a, b in zip(run(sm.document_mask(ids)), run(sm.document_mask(ids, contiguous=True))):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    back = torch.tensor([0, 0, 1, 1, 0, 0] * 8)
+    eq, runs = sm.document_mask(back), sm.document_mask(back, contiguous=True)
+    s = torch.zeros(1, 1, 48, 48)
+    i = torch.arange(48)
+    m_eq = eq.eager(s, 0, 0, i.view(-1, 1), i.view(1, -1), 48, 48) == 0
+    m_runs = runs.eager(s, 0, 0, i.view(-1, 1), i.view(1, -1), 48, 48) == 0
+    assert m_runs[0, 0, 0, 1] and not m_runs[0, 0, 0, 4] and m_eq[0, 0, 0, 4]
+    assert runs.has_backward and not eq.has_backward
+    with pytest.raises(TypeError, match="contiguous must be a bool"):
+        sm.document_mask(back, contiguous=1)
