@@ -23,25 +23,27 @@ D = 64
 DTYPES = [torch.bfloat16, torch.float16]
 
 # Expected refusals, by case id and phase ("forward": any call; "backward": a call with inputs that
-# require grad). No port is refused forward. Masks whose condition reads a graph input (a tensor
-# view: ids, spans, flags; or a materialized operand: bit-twiddled Morton coordinates, tile maps)
-# report has_backward = False: cuDNN's backward was measured wrong for such irregular masks
-# (lower_cudnn.IRREGULAR_MASK_BACKWARD), so with gradients required cuDNN refuses. Index
-# arithmetic with //, %, clamp (NATTEN, STA, block diffusion, ...) stays in-graph, which was
-# measured exact in the backward: those ports keep their cuDNN backward.
+# require grad). No port is refused forward. Masks whose condition reads a graph input that varies
+# along the keys (a tensor view: ids[kv_idx], spans, flags; or a materialized operand: bit-twiddled
+# Morton coordinates, tile maps) report has_backward = False: cuDNN 9.19's backward was measured
+# wrong for them, so with gradients required cuDNN refuses. Conditions over query-axis inputs only
+# (document starts per query) and index arithmetic with //, %, clamp (NATTEN, STA, block
+# diffusion, ...) were measured exact in the backward: those ports keep their cuDNN backward.
 _NO_BACKWARD = "has no correct cuDNN backward"
 REFUSED = {
     **{cid: {"backward": _NO_BACKWARD} for cid in (
         "global_sliding_window_1", "global_sliding_window_s1",
-        "document_docs_3_1_4_2", "document_causal_docs_3_1_4_2", "document_inner_causal_docs_3_1_4_2",
-        "document_docs_1", "document_causal_docs_1", "document_inner_causal_docs_1", "document_inner_lookback",
-        "shared_prefix_5docs", "shared_prefix_1",
+        "document_docs_3_1_4_2", "document_inner_causal_docs_3_1_4_2",
+        "document_docs_1", "document_inner_causal_docs_1", "document_inner_lookback",
         "morton_natten_4x4_k3x3", "morton_natten_6x6_k3x3", "morton_natten_2x4_k1x3",
         "vsa_b2h2_t4", "vsa_b2h2_t4_padded", "vsa_shared_map_t3",
         "jetspec_tree_p3_n7", "jetspec_tree_p0_n7", "jetspec_tree_p2_n1",
         "flamingo_3x2_text12", "flamingo_1x1",
     )},
 }
+# Refusals only the GPU can know: cuDNN 9.19 proposes no engine for these backward graphs
+# (measured on H200), so the call raises NotImplementedError with the frontend's reason.
+DECLINED_BY_ENGINE = {"shared_prefix_5docs": {"backward": "cuDNN cannot run this attention configuration"}}
 
 
 def test_refusal_list_matches_the_ports():
@@ -89,7 +91,7 @@ def _oracle(c: Case):
 
 
 def _expect(c: Case, phase: str):
-    reason = REFUSED.get(c.id, {}).get(phase)
+    reason = REFUSED.get(c.id, {}).get(phase) or DECLINED_BY_ENGINE.get(c.id, {}).get(phase)
     return pytest.raises(NotImplementedError, match=reason) if reason else None
 
 
