@@ -58,7 +58,7 @@ def _grads(fn: Callable, inputs: List[torch.Tensor], dout: torch.Tensor, dtype: 
 
 
 def _compare_cp(rank: int, world: int, kw: Dict[str, Any], comm: str, shape: tuple, fmt: str = "bshd",
-                cu: torch.Tensor = None) -> None:
+                cu: torch.Tensor = None, module: bool = False) -> None:
     import fused_attn
     import fused_attn.distributed as fd
 
@@ -71,7 +71,12 @@ def _compare_cp(rank: int, world: int, kw: Dict[str, Any], comm: str, shape: tup
     shard = lambda t: fd.shard_sequence(t, qkv_format=fmt, cu_seqlens=cu)  # noqa: E731
     unshard = lambda t: fd.unshard_sequence(t, qkv_format=fmt, cu_seqlens=cu)  # noqa: E731
     loc = [shard(t).to(_BF16).requires_grad_(True) for t in full]
-    out = fd.context_parallel_attention(*loc, None, comm, backend="cudnn", **kw)
+    if module:  # DotProductAttention(cp_group=...): the module's configuration, local shards in and out
+        attn = fused_attn.DotProductAttention(shape[2], shape[3], qkv_format=fmt, backend="cudnn",
+                                              cp_group=torch.distributed.group.WORLD, cp_comm=comm, **kw)
+        out = attn(*loc)
+    else:
+        out = fd.context_parallel_attention(*loc, None, comm, backend="cudnn", **kw)
     (out.double() * shard(dout)).sum().backward()
     _check(f"{comm} out", unshard(out.detach()), single, exact)
     for name, l, gs, ge in zip("qkv", loc, g_single, g_exact):
@@ -92,19 +97,11 @@ def cp_dense(comm: str, mask: str, softcap: bool = False):
 def cp_thd(comm: str):
     def case(rank: int, world: int) -> None:
         u = 2 * world
-        lens = [256 * u, 64 * u, 0, 128 * u]
+        lens = [256 * u, 64 * u, 0, 128 * u]  # an empty sequence included
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
         kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                   max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-        # Measured on 2x H200 (cuDNN 9.19): the output was off by up to 5.6 for both engines, so
-        # cuDNN refuses thd under context parallelism (the reference backend runs it: CPU tests).
-        import fused_attn.distributed as fd
-
-        local = fd.shard_sequence(torch.randn(int(cu[-1]), 8, 128, device="cuda", dtype=_BF16), qkv_format="thd",
-                                  cu_seqlens=cu)
-        for backend in ("auto", "cudnn"):
-            with pytest.raises(NotImplementedError, match="packed \\(thd\\) batches on cuDNN"):
-                fd.context_parallel_attention(local, local, local, cp_comm=comm, backend=backend, **kw)
+        _compare_cp(rank, world, kw, comm, (int(cu[-1]), 8, 128), fmt="thd", cu=cu)
     return case
 
 
@@ -150,6 +147,8 @@ for _comm in ("ring", "all_gather"):
     CASES[f"cp_dense_{_comm}_causal"] = cp_dense(_comm, "causal")
     CASES[f"cp_dense_{_comm}_causal_softcap"] = cp_dense(_comm, "causal", softcap=True)
     CASES[f"cp_thd_{_comm}_causal"] = cp_thd(_comm)
+CASES["module_cp_ring_causal"] = lambda rank, world: _compare_cp(rank, world, dict(attn_mask_type="causal"), "ring",
+                                                                  (2, 512 * world, 8, 128), module=True)
 CASES["dtensor_batch"] = dtensor_sharding(0)
 CASES["dtensor_heads"] = dtensor_sharding(2)
 CASES["cp_position_mod_refused_on_cudnn"] = position_mod_refused
