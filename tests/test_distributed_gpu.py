@@ -97,11 +97,20 @@ def cp_dense(comm: str, mask: str, softcap: bool = False):
 def cp_thd(comm: str):
     def case(rank: int, world: int) -> None:
         u = 2 * world
-        lens = [256 * u, 64 * u, 0, 128 * u]  # an empty sequence included
+        lens = [256 * u, 64 * u, 0, 128 * u]
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
         kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                   max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-        _compare_cp(rank, world, kw, comm, (int(cu[-1]), 8, 128), fmt="thd", cu=cu)
+        # Measured on 2x H200 (cuDNN 9.19), twice: the output was off by up to 5.6 for both engines
+        # (a single-GPU emulation of the same block calls is exact), so cuDNN refuses thd under
+        # context parallelism (the reference backend runs it: CPU tests).
+        import fused_attn.distributed as fd
+
+        local = fd.shard_sequence(torch.randn(int(cu[-1]), 8, 128, device="cuda", dtype=_BF16), qkv_format="thd",
+                                  cu_seqlens=cu)
+        for backend in ("auto", "cudnn"):
+            with pytest.raises(NotImplementedError, match="packed \\(thd\\) batches on cuDNN"):
+                fd.context_parallel_attention(local, local, local, cp_comm=comm, backend=backend, **kw)
     return case
 
 

@@ -106,6 +106,12 @@ def cp_config(query: torch.Tensor, key: torch.Tensor, group: Any, cp_comm: str, 
         raise ValueError("this process is not a member of cp_group")
     varlen = {k: kwargs.pop(k, None) for k in ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")}
     if fmt == "thd":
+        backend = kwargs.get("backend", "auto")
+        if backend == "cudnn" or (backend == "auto" and query.is_cuda):
+            raise NotImplementedError(
+                "context parallelism of packed (thd) batches on cuDNN gave wrong outputs on 2x H200 (cuDNN 9.19, "
+                "ring and all-gather, measured twice; dense layouts are correct, and the same block calls on one GPU "
+                "are exact): pass backend='reference', or pad the batch and shard it as bshd")
         lay = _thd_layout(query, key, varlen, layout, n, rank)
         sq, skv = lay.max["q"], lay.max["kv"]
     else:
