@@ -13,6 +13,7 @@ import torch
 
 from . import validation as V
 from .autograd import attention
+from .causal_chunks import chunk_spec, run_in_chunks
 from .key_range import trim_unattended_keys
 from .plan import NO_VARLEN, Explanation, Varlen, explain_plan, get_plan
 from .spec import AttentionSpec, resolve_spec
@@ -159,6 +160,18 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
              sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
     varlen = _complete(spec, varlen)
+    if spec.score_mod is not None and spec.band is not None and getattr(query, "is_cuda", False):
+        sub = chunk_spec(spec)  # a causal score_mod: query chunks over key prefixes (see causal_chunks)
+        if sub is not None:
+            got = run_in_chunks(spec, sub, lambda s, q, k, v, vl, sk: _run_plan(s, mod, q, k, v, vl, sk),
+                                query, key, value, varlen, sinks)
+            if got is not None:
+                return got
+    return _run_plan(spec, mod, query, key, value, varlen, sinks)
+
+
+def _run_plan(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, varlen: Varlen,
+              sinks: Optional[torch.Tensor]) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     if spec.trims_keys:  # a plain causal / windowed dense call: never read keys no query attends
         key, value = trim_unattended_keys(spec.qkv_format, spec.band, query, key, value)
     plan = get_plan(spec, mod, query, key, value, varlen, sinks)

@@ -306,3 +306,29 @@ def test_inference_forward_matches_the_training_forward(kw):
     mask = allowed_mask(192, 256, **{n: x for n, x in kw.items() if n != "score_mod"})
     score_fn = (lambda s, *_: 20.0 * torch.tanh(s / 20.0)) if "score_mod" in kw else None
     check(to_logical(got, "bshd"), q_l, k_l, v_l, 1 / 8, mask, score_fn)
+
+
+@pytest.mark.parametrize("mask, sq, skv", [("causal", 2048, 2048), ("causal_bottom_right", 2048, 2560),
+                                           ("causal", 2176, 2304)])
+def test_causal_score_mod_in_query_chunks_matches_float64(mask, sq, skv):
+    """softcap + causal at >= causal_chunks.MIN_QUERIES queries runs as query chunks over key
+    prefixes on cuDNN (its band is declined next to a score_mod): out, lse and gradients against
+    float64, and the chunked path was taken (one graph per chunk)."""
+    import fused_attn
+    import score_mods as sm
+    from fused_attn import causal_chunks
+    from fused_attn.cache import GRAPH_CACHE
+
+    assert sq >= causal_chunks.MIN_QUERIES
+    GRAPH_CACHE.clear()
+    q, k, v = make("bshd", 1, 4, sq, 64, torch.bfloat16), make("bshd", 1, 4, skv, 64, torch.bfloat16), \
+        make("bshd", 1, 4, skv, 64, torch.bfloat16)
+    k, v = (t.detach().narrow(1, 0, skv).contiguous().requires_grad_() for t in (k, v))
+    grad = torch.randn_like(q)
+    out, lse, grads = run(q, k, v, grad, qkv_format="bshd", attn_mask_type=mask, score_mod=sm.softcap(20.0))
+    fwd_keys = [key for key in GRAPH_CACHE.keys() if key.direction == "fwd"]
+    assert len(fwd_keys) == len(causal_chunks.bounds(sq))
+    out_l, q_l, k_l, v_l, do_l = (to_logical(t, "bshd") for t in (out, q, k, v, grad))
+    score_fn = lambda s, *_: 20.0 * torch.tanh(s / 20.0)  # noqa: E731
+    check(out_l, q_l, k_l, v_l, 1 / 8, allowed_mask(sq, skv, attn_mask_type=mask), score_fn, lse=lse,
+          grads=[to_logical(g, "bshd") for g in grads], do=do_l)

@@ -72,6 +72,10 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
                  "tiles; tflops: dense-equivalent"))
     return [
         ModCase("softcap(30)", lambda: {"fused_attn": {"score_mod": softcap(cap)}}, capped, flex_score=capped),
+        ModCase("softcap(30) + causal (Gemma 2)", lambda: {"fused_attn": {"score_mod": softcap(cap),
+                                                                         "attn_mask_type": "causal"}},
+                capped, causal=True, flex_score=capped, flex_causal=True,
+                note="cuDNN declines its band next to a score_mod: query chunks over key prefixes"),
         ModCase("causal", lambda: {"fused_attn_scoremod": {"score_mod": causal()},
                                    "fused_attn_native": {"attn_mask_type": "causal"}}, causal=True, flex_causal=True),
         ModCase("post_scale_bias", lambda: {"fused_attn": {"score_mod": post_scale_bias(bias)}}, biased,

@@ -1,0 +1,79 @@
+"""Causal score_mod calls served as query chunks over key prefixes (fused_attn.causal_chunks):
+the chunk bounds, which specs qualify, and exactness against the unchunked call in float64 (the
+reference backend on CPU; the GPU test runs the cuDNN path against float64)."""
+
+import pytest
+import torch
+
+import fused_attn
+import score_mods as sm
+from fused_attn import causal_chunks as C
+from fused_attn.functional import _run_plan
+from fused_attn.plan import NO_VARLEN
+from fused_attn.spec import resolve_spec
+
+
+def test_bounds_cover_the_queries_on_tile_multiples():
+    assert C.bounds(4096) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    for sq in (2048, 2100, 2111, 5000, 300):
+        b = C.bounds(sq)
+        assert b[0][0] == 0 and b[-1][1] == sq and all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert all(q1 % 128 == 0 for _, q1 in b[:-1]) and all(q1 > q0 for q0, q1 in b)
+
+
+@pytest.mark.parametrize("kw, chunked", [
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal"), True),
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal_bottom_right"), True),
+    (dict(score_mod=sm.softcap(30.0), window_size=(-1, 0)), True),
+    (dict(score_mod=sm.alibi(torch.ones(4)), attn_mask_type="causal"), False),  # reads q_idx
+    (dict(score_mod=sm.softcap(30.0)), False),  # no mask
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal", window_size=(64, 0)), False),  # a window
+    (dict(attn_mask_type="causal"), False),  # cuDNN's own band already skips tiles
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal", backend="reference"), False),
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal", dropout_p=0.1), False),
+])
+def test_which_specs_are_chunked(kw, chunked):
+    spec, _ = resolve_spec(**kw)
+    sub = C.chunk_spec(spec)
+    assert (sub is not None) == chunked
+    if chunked:
+        assert sub.band.bottom_right and sub.band.right == 0 and sub.band.left is None
+        assert sub.score_mod_key == spec.score_mod_key and C.chunk_spec(spec) is sub
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+@pytest.mark.parametrize("mask, sq, skv", [("causal", 600, 600), ("causal", 600, 700), ("causal_bottom_right", 520, 800)])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_chunks_equal_the_unchunked_call(monkeypatch, fmt, mask, sq, skv, return_lse):
+    monkeypatch.setattr(C, "MIN_QUERIES", 256)
+    g = torch.Generator().manual_seed(5)
+    shape = {"bshd": lambda s: (2, s, 3, 16), "sbhd": lambda s: (s, 2, 3, 16), "bhsd": lambda s: (2, 3, s, 16)}[fmt]
+    q = torch.randn(*shape(sq), generator=g, dtype=torch.float64)
+    k, v = (torch.randn(*shape(skv), generator=g, dtype=torch.float64) for _ in range(2))
+    kw = dict(qkv_format=fmt, score_mod=sm.softcap(5.0), attn_mask_type=mask, return_lse=return_lse)
+    spec, mod = resolve_spec(backend="auto", **kw)
+    sub = C.chunk_spec(spec)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = fn(*leaves)
+        out = got[0] if return_lse else got
+        d = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return ([out, got[1]] if return_lse else [out]) + list(d)
+
+    plain = grads(lambda a, b, c: _run_plan(spec, mod, a, b, c, NO_VARLEN, None))
+    chunks = grads(lambda a, b, c: C.run_in_chunks(spec, sub, lambda s, x, y, z, vl, sk: _run_plan(s, mod, x, y, z,
+                                                                                                vl, sk),
+                                                   a, b, c, NO_VARLEN, None))
+    for a, b in zip(plain, chunks):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_short_or_wider_query_calls_are_not_chunked():
+    spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
+    sub = C.chunk_spec(spec)
+    q = torch.randn(1, 128, 2, 16, dtype=torch.float64)
+    assert C.run_in_chunks(spec, sub, None, q, q, q, NO_VARLEN, None) is None  # below MIN_QUERIES
+    q = torch.randn(1, C.MIN_QUERIES, 2, 16, dtype=torch.float64)
+    k = torch.randn(1, C.MIN_QUERIES - 128, 2, 16, dtype=torch.float64)
+    assert C.run_in_chunks(spec, sub, None, q, k, k, NO_VARLEN, None) is None  # Skv < Sq
