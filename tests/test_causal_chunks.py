@@ -77,3 +77,15 @@ def test_short_or_wider_query_calls_are_not_chunked():
     q = torch.randn(1, C.MIN_QUERIES, 2, 16, dtype=torch.float64)
     k = torch.randn(1, C.MIN_QUERIES - 128, 2, 16, dtype=torch.float64)
     assert C.run_in_chunks(spec, sub, None, q, k, k, NO_VARLEN, None) is None  # Skv < Sq
+
+
+def test_only_calls_without_gradients_are_chunked():
+    q = torch.randn(1, 8, 2, 16)
+    mod = sm.softcap(5.0)
+    assert not C.needs_grad(q, q, q, mod, None)
+    assert C.needs_grad(q.clone().requires_grad_(), q, q, mod, None)
+    with torch.no_grad():
+        assert not C.needs_grad(q.clone().requires_grad_(), q, q, mod, None)
+    table = torch.zeros(2, requires_grad=True)
+    assert C.needs_grad(q, q, q, sm.alibi(table), None)
+    assert C.needs_grad(q, q, q, mod, torch.zeros(2, requires_grad=True))
