@@ -29,7 +29,7 @@ from .memo import BoundedMemo
 from .problem import Band
 from .spec import AttentionSpec
 
-__all__ = ["chunk_spec", "run_in_chunks", "needs_grad", "CHUNKS", "MIN_QUERIES"]
+__all__ = ["chunk_spec", "run_in_chunks", "needs_grad", "ChunkedCausal", "CHUNKS", "MIN_QUERIES", "CHUNK_TRAINING"]
 
 CHUNKS = 4
 MIN_QUERIES = 4096
@@ -81,26 +81,109 @@ def bounds(sq: int, chunks: int = CHUNKS) -> List[Tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def run_in_chunks(spec: AttentionSpec, sub: AttentionSpec, run: Callable[..., Any], query: torch.Tensor,
-                  key: torch.Tensor, value: torch.Tensor, varlen: Any, sinks: Optional[torch.Tensor]):
-    """`run(sub, query chunk, key prefix, value prefix, varlen, sinks)` per chunk, outputs (and
-    lse, (B, H, Sq)) concatenated along the sequence; None when the shapes do not qualify."""
+def run_in_chunks(spec: AttentionSpec, sub: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, sinks: Optional[torch.Tensor]):
+    """out (and lse, (B, H, Sq)) of `spec` computed chunk by chunk with `sub`, or None when the
+    shapes or the gradients asked for do not qualify (the caller then runs the plain path)."""
     seq = _SEQ_DIM[spec.qkv_format]
     if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (query, key, value)):
         return None  # the plain path validates and names the argument
     sq, skv = query.shape[seq], key.shape[seq]
     if sq < MIN_QUERIES or skv < sq or value.shape[seq] != skv:
         return None
+    grad = needs_grad(query, key, value, mod, sinks)
+    if grad and (_trains_extras(mod, sinks) or not CHUNK_TRAINING):
+        return None
+    from .plan import NO_VARLEN, get_plan
+
     shift = skv - sq if spec.band.bottom_right else 0
-    outs, lses = [], []
+    parts = []
     for q0, q1 in bounds(sq):
         kend = q1 + shift
-        got = run(sub, query.narrow(seq, q0, q1 - q0), key.narrow(seq, 0, kend), value.narrow(seq, 0, kend),
-                  varlen, sinks)
-        if spec.return_lse:
-            outs.append(got[0])
-            lses.append(got[1])
+        qc, kc, vc = query.narrow(seq, q0, q1 - q0), key.narrow(seq, 0, kend), value.narrow(seq, 0, kend)
+        parts.append((q0, q1, kend, get_plan(sub, mod, qc, kc, vc, NO_VARLEN, sinks, force_grad=grad).runner))
+    call = (tuple(parts), seq, mod, sinks, spec.return_lse)
+    if grad:
+        out, lse = ChunkedCausal.apply(call, query, key, value)
+    else:
+        out, lse, _ = _forward(call, query, key, value, keep=False)
+    return (out, lse) if spec.return_lse else out
+
+
+#: whether calls that record a backward are chunked too (ChunkedCausal); see the module docstring
+CHUNK_TRAINING = True
+
+
+def _trains_extras(mod: Any, sinks: Optional[torch.Tensor]) -> bool:
+    """Gradients other than dq, dk, dv asked for (score_mod tables, sinks): not chunked."""
+    if sinks is not None and sinks.requires_grad:
+        return True
+    tensors = mod.tensors() if hasattr(mod, "tensors") else {}
+    return any(t.requires_grad for t in tensors.values())
+
+
+def _forward(call: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keep: bool):
+    """(out, lse or None, per chunk (saved, state) when keep) with each chunk written in place."""
+    from .plan import NO_VARLEN
+
+    parts, seq, mod, sinks, want_lse = call
+    out = torch.empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype=query.dtype, device=query.device)
+    lse = None
+    kept = []
+    for q0, q1, kend, runner in parts:
+        qc, kc, vc = query.narrow(seq, q0, q1 - q0), key.narrow(seq, 0, kend), value.narrow(seq, 0, kend)
+        if keep:
+            o, l, saved, state = runner.forward(qc, kc, vc, NO_VARLEN, mod, sinks)
+            kept.append((saved, state))
         else:
-            outs.append(got)
-    out = torch.cat(outs, dim=seq)
-    return (out, torch.cat(lses, dim=2)) if spec.return_lse else out
+            infer = getattr(runner, "infer", None)
+            o, l = infer(qc, kc, vc, NO_VARLEN, mod, sinks) if infer is not None else \
+                runner.forward(qc, kc, vc, NO_VARLEN, mod, sinks)[:2]
+        out.narrow(seq, q0, q1 - q0).copy_(o)
+        if want_lse:
+            if lse is None:
+                lse = torch.empty(tuple(l.shape[:2]) + (query.shape[seq],), dtype=torch.float32, device=l.device)
+            lse[:, :, q0:q1].copy_(l)
+    return out, lse, kept
+
+
+class ChunkedCausal(torch.autograd.Function):
+    """apply((parts, seq dim, mod, sinks, want_lse), q, k, v) -> (out, lse or None): each chunk's
+    runner forward, and a backward that writes each chunk's dQ in place and adds its dK / dV into
+    fp32 prefix accumulators (no full-size zero-filled slice gradients per chunk)."""
+
+    @staticmethod
+    def forward(ctx, call: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        out, lse, kept = _forward(call, query, key, value, keep=True)
+        ctx.parts, ctx.seq, ctx.mod = call[0], call[1], call[2]
+        ctx.mod_values = getattr(call[2], "_values", None)
+        ctx.states = [state for _, state in kept]
+        ctx.counts = [len(saved) for saved, _ in kept]
+        ctx.meta = [(t.shape, t.dtype) for t in (query, key, value)]
+        ctx.save_for_backward(*[t for saved, _ in kept for t in saved])
+        if lse is not None:
+            ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Optional[torch.Tensor], _grad_lse: Optional[torch.Tensor]):
+        if grad_out is None:
+            return None, None, None, None
+        from .autograd import check_mod_unchanged
+
+        check_mod_unchanged(ctx.mod, ctx.mod_values)
+        flat = ctx.saved_tensors
+        (q_shape, q_dtype), (k_shape, k_dtype), (v_shape, v_dtype) = ctx.meta
+        dev, seq = grad_out.device, ctx.seq
+        dq = torch.empty(q_shape, dtype=q_dtype, device=dev)
+        acc = torch.float64 if k_dtype == torch.float64 else torch.float32
+        dk = torch.zeros(k_shape, dtype=acc, device=dev)
+        dv = torch.zeros(v_shape, dtype=acc, device=dev)
+        start = 0
+        for (q0, q1, kend, runner), state, n in zip(ctx.parts, ctx.states, ctx.counts):
+            grads = runner.backward(state, flat[start:start + n], grad_out.narrow(seq, q0, q1 - q0))
+            start += n
+            dq.narrow(seq, q0, q1 - q0).copy_(grads[0])
+            dk.narrow(seq, 0, kend).add_(grads[1])
+            dv.narrow(seq, 0, kend).add_(grads[2])
+        return None, dq, dk.to(k_dtype), dv.to(v_dtype)

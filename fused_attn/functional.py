@@ -13,7 +13,7 @@ import torch
 
 from . import validation as V
 from .autograd import attention
-from .causal_chunks import chunk_spec, needs_grad, run_in_chunks
+from .causal_chunks import chunk_spec, run_in_chunks
 from .key_range import trim_unattended_keys
 from .plan import NO_VARLEN, Explanation, Varlen, explain_plan, get_plan
 from .spec import AttentionSpec, resolve_spec
@@ -161,10 +161,9 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
     """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
     varlen = _complete(spec, varlen)
     if spec.score_mod is not None and spec.band is not None and getattr(query, "is_cuda", False):
-        sub = chunk_spec(spec)  # a causal score_mod without gradients: query chunks over key prefixes
-        if sub is not None and not needs_grad(query, key, value, mod, sinks):
-            got = run_in_chunks(spec, sub, lambda s, q, k, v, vl, sk: _run_plan(s, mod, q, k, v, vl, sk),
-                                query, key, value, varlen, sinks)
+        sub = chunk_spec(spec)  # a causal score_mod: query chunks over key prefixes (causal_chunks)
+        if sub is not None and varlen is NO_VARLEN:
+            got = run_in_chunks(spec, sub, mod, query, key, value, sinks)
             if got is not None:
                 return got
     return _run_plan(spec, mod, query, key, value, varlen, sinks)

@@ -45,11 +45,14 @@ def test_which_specs_are_chunked(kw, chunked):
 @pytest.mark.parametrize("mask, sq, skv", [("causal", 600, 600), ("causal", 600, 700), ("causal_bottom_right", 520, 800)])
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_chunks_equal_the_unchunked_call(monkeypatch, fmt, mask, sq, skv, return_lse):
+    """Forward (no grad) and forward + backward (ChunkedCausal: dQ per chunk, dK/dV accumulated
+    over key prefixes) equal the plain call in float64 on the reference backend."""
     monkeypatch.setattr(C, "MIN_QUERIES", 256)
     g = torch.Generator().manual_seed(5)
     shape = {"bshd": lambda s: (2, s, 3, 16), "sbhd": lambda s: (s, 2, 3, 16), "bhsd": lambda s: (2, 3, s, 16)}[fmt]
     q = torch.randn(*shape(sq), generator=g, dtype=torch.float64)
     k, v = (torch.randn(*shape(skv), generator=g, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(*shape(sq), generator=g, dtype=torch.float64)
     kw = dict(qkv_format=fmt, score_mod=sm.softcap(5.0), attn_mask_type=mask, return_lse=return_lse)
     spec, mod = resolve_spec(backend="auto", **kw)
     sub = C.chunk_spec(spec)
@@ -58,25 +61,46 @@ def test_chunks_equal_the_unchunked_call(monkeypatch, fmt, mask, sq, skv, return
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         got = fn(*leaves)
         out = got[0] if return_lse else got
-        d = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        d = torch.autograd.grad(out, leaves, do)
         return ([out, got[1]] if return_lse else [out]) + list(d)
 
     plain = grads(lambda a, b, c: _run_plan(spec, mod, a, b, c, NO_VARLEN, None))
-    chunks = grads(lambda a, b, c: C.run_in_chunks(spec, sub, lambda s, x, y, z, vl, sk: _run_plan(s, mod, x, y, z,
-                                                                                                vl, sk),
-                                                   a, b, c, NO_VARLEN, None))
-    for a, b in zip(plain, chunks):
+    chunked = grads(lambda a, b, c: C.run_in_chunks(spec, sub, mod, a, b, c, None))
+    for a, b in zip(plain, chunked):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():
+        fwd = C.run_in_chunks(spec, sub, mod, q, k, v, None)
+    for a, b in zip(plain, fwd if return_lse else [fwd]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_chunked_backward_refuses_a_score_mod_changed_in_place(monkeypatch):
+    monkeypatch.setattr(C, "MIN_QUERIES", 256)
+    spec, mod = resolve_spec(score_mod=sm.softcap(5.0).private_copy(), attn_mask_type="causal")
+    q = torch.randn(1, 512, 2, 16, dtype=torch.float64, requires_grad=True)
+    out = C.run_in_chunks(spec, C.chunk_spec(spec), spec.score_mod, q, q.detach(), q.detach(), None)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__.startswith("ChunkedCausal")
+    assert spec.score_mod.take_values(sm.softcap(7.0))
+    with pytest.raises(RuntimeError, match="changed its values between this forward and its backward"):
+        out.sum().backward()
+
+
+def test_tables_or_sinks_that_train_are_not_chunked(monkeypatch):
+    monkeypatch.setattr(C, "MIN_QUERIES", 256)
+    q = torch.randn(1, 512, 2, 16, dtype=torch.float64, requires_grad=True)
+    spec, _ = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal", softmax_type="learnable")
+    sinks = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    assert C.run_in_chunks(spec, C.chunk_spec(spec), spec.score_mod, q, q, q, sinks) is None
 
 
 def test_short_or_wider_query_calls_are_not_chunked():
     spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
     sub = C.chunk_spec(spec)
     q = torch.randn(1, 128, 2, 16, dtype=torch.float64)
-    assert C.run_in_chunks(spec, sub, None, q, q, q, NO_VARLEN, None) is None  # below MIN_QUERIES
+    assert C.run_in_chunks(spec, sub, mod, q, q, q, None) is None  # below MIN_QUERIES
     q = torch.randn(1, C.MIN_QUERIES, 2, 16, dtype=torch.float64)
     k = torch.randn(1, C.MIN_QUERIES - 128, 2, 16, dtype=torch.float64)
-    assert C.run_in_chunks(spec, sub, None, q, k, k, NO_VARLEN, None) is None  # Skv < Sq
+    assert C.run_in_chunks(spec, sub, mod, q, k, k, None) is None  # Skv < Sq
 
 
 def test_only_calls_without_gradients_are_chunked():
