@@ -11,11 +11,18 @@ bottom-right causal mask (shift = Skv - Sq for bottom-right alignment, 0 for top
 exactly the global mask, so each chunk is a complete attention (no lse merge) and the work falls
 to (N + 1) / (2N) of the full square. Used only where the answer cannot change: dense layouts, no
 padding, no dropout, a mod that reads neither q_idx nor the lengths (they would be the chunk's),
-Skv >= Sq, at least `MIN_QUERIES` queries, and no gradient: measured on H200 (B2 H16 S4096 D128
-bf16, softcap(30) + causal), the forward drops from 0.66 to 0.455 ms, but through autograd
-(slices in, a cat out) the backward's slice-gradient zero-fills and accumulations cost more than
-the skipped tiles save (fwd+bwd 2.29 against 2.24 ms), and at 2048 queries a training step got
-slower; a backward writing each chunk's gradients in place is the next step.
+Skv >= Sq, no trained score_mod tables or sinks; and only where it was measured faster (H200,
+softcap(30) + causal, bf16, one run):
+
+    B H S D            forward plain / chunked     forward+backward plain / chunked
+    2 16 4096 128      0.657 / 0.483 ms            2.256 / 2.232 ms
+    2 16 4096  64      0.589 / 0.429               1.558 / 1.479
+    4 16 2048  64      0.304 / 0.296               0.827 / 1.315
+    1 16 8192  64      1.150 / 0.759               3.011 / 2.339
+
+so calls without gradients are chunked from `MIN_QUERIES` queries and calls that record a
+backward (`ChunkedCausal`) from `MIN_QUERIES_TRAINING`: the chunks' backward kernels run well
+below the plain backward's rate (why is not known yet), which eats the skipped tiles up to 4096.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ from .memo import BoundedMemo
 from .problem import Band
 from .spec import AttentionSpec
 
-__all__ = ["chunk_spec", "run_in_chunks", "needs_grad", "ChunkedCausal", "CHUNKS", "MIN_QUERIES", "CHUNK_TRAINING"]
+__all__ = ["chunk_spec", "run_in_chunks", "needs_grad", "ChunkedCausal", "CHUNKS", "MIN_QUERIES",
+           "MIN_QUERIES_TRAINING"]
 
 CHUNKS = 4
 MIN_QUERIES = 4096
+MIN_QUERIES_TRAINING = 8192
 _TILE = 128  # chunk bounds on multiples of cuDNN's tile keep key lengths off 64 mod 128
 _SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2}
 _SPECS = BoundedMemo(128, "causal_chunks.spec")
@@ -92,7 +101,7 @@ def run_in_chunks(spec: AttentionSpec, sub: AttentionSpec, mod: Any, query: torc
     if sq < MIN_QUERIES or skv < sq or value.shape[seq] != skv:
         return None
     grad = needs_grad(query, key, value, mod, sinks)
-    if grad and (_trains_extras(mod, sinks) or not CHUNK_TRAINING):
+    if grad and (sq < MIN_QUERIES_TRAINING or _trains_extras(mod, sinks)):
         return None
     from .plan import NO_VARLEN, get_plan
 
@@ -108,10 +117,6 @@ def run_in_chunks(spec: AttentionSpec, sub: AttentionSpec, mod: Any, query: torc
     else:
         out, lse, _ = _forward(call, query, key, value, keep=False)
     return (out, lse) if spec.return_lse else out
-
-
-#: whether calls that record a backward are chunked too (ChunkedCausal); see the module docstring
-CHUNK_TRAINING = True
 
 
 def _trains_extras(mod: Any, sinks: Optional[torch.Tensor]) -> bool:

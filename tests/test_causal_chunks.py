@@ -48,6 +48,7 @@ def test_chunks_equal_the_unchunked_call(monkeypatch, fmt, mask, sq, skv, return
     """Forward (no grad) and forward + backward (ChunkedCausal: dQ per chunk, dK/dV accumulated
     over key prefixes) equal the plain call in float64 on the reference backend."""
     monkeypatch.setattr(C, "MIN_QUERIES", 256)
+    monkeypatch.setattr(C, "MIN_QUERIES_TRAINING", 256)
     g = torch.Generator().manual_seed(5)
     shape = {"bshd": lambda s: (2, s, 3, 16), "sbhd": lambda s: (s, 2, 3, 16), "bhsd": lambda s: (2, 3, s, 16)}[fmt]
     q = torch.randn(*shape(sq), generator=g, dtype=torch.float64)
@@ -76,6 +77,7 @@ def test_chunks_equal_the_unchunked_call(monkeypatch, fmt, mask, sq, skv, return
 
 def test_chunked_backward_refuses_a_score_mod_changed_in_place(monkeypatch):
     monkeypatch.setattr(C, "MIN_QUERIES", 256)
+    monkeypatch.setattr(C, "MIN_QUERIES_TRAINING", 256)
     spec, mod = resolve_spec(score_mod=sm.softcap(5.0).private_copy(), attn_mask_type="causal")
     q = torch.randn(1, 512, 2, 16, dtype=torch.float64, requires_grad=True)
     out = C.run_in_chunks(spec, C.chunk_spec(spec), spec.score_mod, q, q.detach(), q.detach(), None)
@@ -87,6 +89,7 @@ def test_chunked_backward_refuses_a_score_mod_changed_in_place(monkeypatch):
 
 def test_tables_or_sinks_that_train_are_not_chunked(monkeypatch):
     monkeypatch.setattr(C, "MIN_QUERIES", 256)
+    monkeypatch.setattr(C, "MIN_QUERIES_TRAINING", 256)
     q = torch.randn(1, 512, 2, 16, dtype=torch.float64, requires_grad=True)
     spec, _ = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal", softmax_type="learnable")
     sinks = torch.zeros(2, dtype=torch.float64, requires_grad=True)
@@ -113,3 +116,13 @@ def test_only_calls_without_gradients_are_chunked():
     table = torch.zeros(2, requires_grad=True)
     assert C.needs_grad(q, q, q, sm.alibi(table), None)
     assert C.needs_grad(q, q, q, mod, torch.zeros(2, requires_grad=True))
+
+
+def test_training_calls_are_chunked_only_from_the_training_threshold(monkeypatch):
+    monkeypatch.setattr(C, "MIN_QUERIES", 256)
+    monkeypatch.setattr(C, "MIN_QUERIES_TRAINING", 1024)
+    spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
+    sub = C.chunk_spec(spec)
+    q = torch.randn(1, 512, 2, 16, dtype=torch.float64)
+    assert C.run_in_chunks(spec, sub, mod, q, q, q, None) is not None  # no gradient: chunked
+    assert C.run_in_chunks(spec, sub, mod, q.requires_grad_(), q, q, None) is None  # training below 1024

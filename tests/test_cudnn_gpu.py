@@ -310,17 +310,18 @@ def test_inference_forward_matches_the_training_forward(kw):
 
 @pytest.mark.parametrize("mask, sq, skv", [("causal", 4096, 4096), ("causal_bottom_right", 4096, 4608),
                                            ("causal", 4224, 4352)])
-def test_causal_score_mod_in_query_chunks_matches_float64(mask, sq, skv):
+def test_causal_score_mod_in_query_chunks_matches_float64(mask, sq, skv, monkeypatch):
     """softcap + causal at >= causal_chunks.MIN_QUERIES queries runs as query chunks over key
     prefixes on cuDNN (its band is declined next to a score_mod), one graph per chunk: out, lse
-    and dq / dk / dv (ChunkedCausal) against float64 with the tolerance rule, and the forward
-    without gradients equal to the training forward."""
+    and dq / dk / dv (ChunkedCausal, forced here below its training threshold) against float64
+    with the tolerance rule, and the forward without gradients equal to the training forward."""
     import fused_attn
     import score_mods as sm
     from fused_attn import causal_chunks
     from fused_attn.cache import GRAPH_CACHE
 
     assert sq >= causal_chunks.MIN_QUERIES
+    monkeypatch.setattr(causal_chunks, "MIN_QUERIES_TRAINING", causal_chunks.MIN_QUERIES)
     GRAPH_CACHE.clear()
     q, k, v = (make("bshd", 1, 2, n, 64, torch.bfloat16) for n in (sq, skv, skv))
     grad = torch.randn_like(q)
