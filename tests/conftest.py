@@ -68,3 +68,19 @@ def gen() -> torch.Generator:
 @pytest.fixture
 def naive() -> Callable:
     return naive_attention
+
+
+def axis_bias_mods(w: torch.Tensor):
+    """(query_bias, key_bias): `score + w[q_idx]` and `score + w[kv_idx]` bound to the (S,) table w:
+    the two sides of cuDNN 9.19's key-axis backward fault (tests of the refusal boundary)."""
+    from score_mods import TensorParam, score_mod
+
+    @score_mod(name="query_bias")
+    def query_bias(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
+        return score + w[q_idx]
+
+    @score_mod(name="key_bias")
+    def key_bias(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
+        return score + w[kv_idx]
+
+    return query_bias(w=w), key_bias(w=w)

@@ -331,24 +331,11 @@ def test_trained_bias_under_a_causal_mask_runs_as_band_plus_bias(stub):
 
 
 def _kv_and_q_mods():
-    from score_mods import TensorParam, score_mod, where
-
-    @score_mod(name="key_bias")
-    def key_bias(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
-        return score + w[kv_idx]
-
-    @score_mod(name="query_bias")
-    def query_bias(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
-        return score + w[q_idx]
-
-    @score_mod(name="doc_bounds")
-    def doc_bounds(score, b, h, q_idx, kv_idx, lo=TensorParam("int"), hi=TensorParam("int")):
-        return where((kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx]), score, float("-inf"))
+    from conftest import axis_bias_mods
 
     ids = torch.arange(128) // 32
-    lo, hi = torch.searchsorted(ids, ids), torch.searchsorted(ids, ids, right=True)
-    w = torch.randn(128)
-    return {"key_bias": key_bias(w=w), "query_bias": query_bias(w=w), "doc_bounds": doc_bounds(lo=lo, hi=hi),
+    query_bias, key_bias = axis_bias_mods(torch.randn(128))
+    return {"key_bias": key_bias, "query_bias": query_bias, "doc_bounds": sm.document_mask(ids, contiguous=True),
             "document_mask": sm.document_mask(ids)}
 
 

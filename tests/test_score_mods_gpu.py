@@ -233,32 +233,20 @@ def test_query_axis_inputs_train_on_cudnn_and_key_axis_inputs_are_refused(dtype)
     per-query bias train on cuDNN within the rule; a per-key term (w[kv_idx]) is refused with the
     reason under backend="cudnn" and falls back with a FallbackWarning under "auto"."""
     fused_attn = pytest.importorskip("fused_attn")
+    from conftest import axis_bias_mods
     from fused_attn import testing
-    from score_mods import TensorParam, score_mod, where
-
-    @score_mod(name="doc_bounds")
-    def doc_bounds(score, b, h, q_idx, kv_idx, lo=TensorParam("int"), hi=TensorParam("int")):
-        return where((kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx]), score, float("-inf"))
-
-    @score_mod(name="query_bias")
-    def query_bias(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
-        return score + w[q_idx]
-
-    @score_mod(name="key_bias")
-    def key_bias(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
-        return score + w[kv_idx]
 
     dev, s = torch.device("cuda"), 256
     g = torch.Generator(device="cpu").manual_seed(4)
     ids = torch.sort(torch.randint(0, 5, (s,), generator=g)).values.to(dev)
-    lo, hi = torch.searchsorted(ids, ids), torch.searchsorted(ids, ids, right=True)
     w = torch.randn(s, generator=g).to(dev)
     q, k, v, dout = (torch.randn(2, 4, s, 64, generator=g).to(dev) for _ in range(4))
     scale = 64 ** -0.5
     ids64, w64 = ids, w.double()
-    cases = {"doc_bounds": (doc_bounds(lo=lo, hi=hi), lambda sc, b, h, qi, ki: torch.where(
+    query_bias, key_bias = axis_bias_mods(w)
+    cases = {"doc_bounds": (sm.document_mask(ids, contiguous=True), lambda sc, b, h, qi, ki: torch.where(
                  ids64[qi] == ids64[ki], sc, float("-inf"))),
-             "query_bias": (query_bias(w=w), lambda sc, b, h, qi, ki: sc + w64[qi])}
+             "query_bias": (query_bias, lambda sc, b, h, qi, ki: sc + w64[qi])}
     for name, (mod, fn) in cases.items():
         out, leaves = _cudnn(fused_attn, mod, q, k, v, dtype, grad=True)
         exact, _ = testing.reference_attention(q, k, v, scale, score_fn=fn)
@@ -269,7 +257,7 @@ def test_query_axis_inputs_train_on_cudnn_and_key_axis_inputs_are_refused(dtype)
         for what, leaf, g_exact, b in zip(("dq", "dk", "dv"), leaves, grads, bounds):
             testing.assert_close(leaf.grad.float(), g_exact.float(), b, what=f"{name} {what}")
     with pytest.raises(NotImplementedError, match="along the keys only"):
-        _cudnn(fused_attn, key_bias(w=w), q, k, v, dtype, grad=True)
+        _cudnn(fused_attn, key_bias, q, k, v, dtype, grad=True)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     with pytest.warns(fused_attn.FallbackWarning, match="along the keys only"):
-        fused_attn.dot_product_attention(*leaves, qkv_format="bhsd", score_mod=key_bias(w=w))
+        fused_attn.dot_product_attention(*leaves, qkv_format="bhsd", score_mod=key_bias)

@@ -69,31 +69,29 @@ def current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def _grow_only(store: Dict[Tuple[int, int], torch.Tensor], key: Tuple[int, int], numel: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """store[key], replaced by a larger `dtype` buffer when it holds fewer than `numel` elements."""
+    buf = store.get(key)
+    if buf is None or buf.numel() < numel:
+        with _ws_lock:
+            buf = store.get(key)
+            if buf is None or buf.numel() < numel:
+                buf = torch.empty(max(numel, 1), dtype=dtype, device=torch.device("cuda", key[0]))
+                store[key] = buf
+    return buf
+
+
 def workspace_for(device_index: int, stream: int, nbytes: int) -> torch.Tensor:
     """A uint8 buffer of at least `nbytes` (>= 1) reused per (device, stream)."""
-    key = (device_index, stream)
-    ws = _workspaces.get(key)
-    if ws is None or ws.numel() < nbytes:
-        with _ws_lock:
-            ws = _workspaces.get(key)
-            if ws is None or ws.numel() < nbytes:
-                ws = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", device_index))
-                _workspaces[key] = ws
-    return ws
+    return _grow_only(_workspaces, (device_index, stream), nbytes, torch.uint8)
 
 
 def scratch_for(device_index: int, numel: int) -> torch.Tensor:
     """An fp32 buffer of at least `numel` elements (numel * 4 <= SCRATCH_MAX_BYTES) on the current
     stream of `device_index`, reused per (device, stream), for graph outputs nothing reads."""
     key = (device_index, torch._C._cuda_getCurrentRawStream(device_index))
-    buf = _scratch.get(key)
-    if buf is None or buf.numel() < numel:
-        with _ws_lock:
-            buf = _scratch.get(key)
-            if buf is None or buf.numel() < numel:
-                buf = torch.empty(max(numel, 1), dtype=torch.float32, device=torch.device("cuda", device_index))
-                _scratch[key] = buf
-    return buf
+    return _grow_only(_scratch, key, numel, torch.float32)
 
 
 def release_workspaces() -> None:
