@@ -32,6 +32,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from .autograd import attention
 from .memo import BoundedMemo
 from .problem import Band
 from .spec import AttentionSpec
@@ -74,13 +75,9 @@ def _derive(spec: AttentionSpec) -> Optional[AttentionSpec]:
 
 def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any,
                sinks: Optional[torch.Tensor]) -> bool:
-    """Whether this call records a backward (then it is not chunked, see the module docstring)."""
-    if not torch.is_grad_enabled():
-        return False
-    if query.requires_grad or key.requires_grad or value.requires_grad or (sinks is not None and sinks.requires_grad):
-        return True
-    tensors = mod.tensors() if hasattr(mod, "tensors") else {}
-    return any(t.requires_grad for t in tensors.values())
+    """Whether this call records a backward (chunked only from MIN_QUERIES_TRAINING queries)."""
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                        or _trains_extras(mod, sinks))
 
 
 def bounds(sq: int, chunks: int = CHUNKS) -> List[Tuple[int, int]]:
@@ -140,10 +137,8 @@ def _forward(call: tuple, query: torch.Tensor, key: torch.Tensor, value: torch.T
         if keep:
             o, l, saved, state = runner.forward(qc, kc, vc, NO_VARLEN, mod, sinks)
             kept.append((saved, state))
-        else:
-            infer = getattr(runner, "infer", None)
-            o, l = infer(qc, kc, vc, NO_VARLEN, mod, sinks) if infer is not None else \
-                runner.forward(qc, kc, vc, NO_VARLEN, mod, sinks)[:2]
+        else:  # no gradient: the runner's plain (inference) forward
+            o, l = attention(runner, qc, kc, vc, NO_VARLEN, mod, sinks)
         out.narrow(seq, q0, q1 - q0).copy_(o)
         if want_lse:
             if lse is None:
