@@ -374,3 +374,42 @@ def test_operand_memo_follows_in_place_value_changes(stub):
     assert mod.take_values(sm.softcap(50.0))
     after = runner._operands(mod)
     assert any(float(after[n]) == 50.0 for n in caps) and not any(float(after[n]) == 30.0 for n in caps)
+
+
+def _cycles_left_by(fn) -> int:
+    """Objects only the garbage collector can free after `fn()` (run once before to warm caches)."""
+    import gc
+
+    fn()
+    gc.collect()
+    gc.disable()
+    try:
+        fn()
+        return gc.collect()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("case", ["dense", "dense_softcap", "padded", "thd", "reference"])
+def test_a_training_call_leaves_no_reference_cycle(stub, case):
+    """The forward's saved state must not reference its own output: the cycle out -> grad_fn ->
+    state -> out kept every step's output and graph alive until a garbage collection, which then
+    ran inside the next call (measured on H200: ~530 us of a 1.6 ms varlen step)."""
+    import fused_attn
+
+    q, k, v = (bf16(2, 128, 2, 64, grad=True) for _ in range(3))
+    t = bf16(256, 2, 64, grad=True)
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    calls = {
+        "dense": lambda: fused_attn.dot_product_attention(q, k, v, backend="cudnn"),
+        "dense_softcap": lambda: fused_attn.dot_product_attention(q, k, v, backend="cudnn", score_mod=sm.softcap(20.0),
+                                                                  attn_mask_type="causal", return_lse=True)[0],
+        "padded": lambda: fused_attn.dot_product_attention(q, k, v, backend="cudnn", attn_mask_type="padding",
+                                                           cu_seqlens_q=cu // 2, cu_seqlens_kv=cu // 2),
+        "thd": lambda: fused_attn.dot_product_attention(t, t, t, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                        max_seqlen_q=156, max_seqlen_kv=156, backend="cudnn"),
+        "reference": lambda: fused_attn.dot_product_attention(q, k, v, backend="reference"),
+    }
+    call = calls[case]
+    assert _cycles_left_by(call) == 0  # the forward alone (output dropped unused)
+    assert _cycles_left_by(lambda: call().float().sum().backward()) == 0

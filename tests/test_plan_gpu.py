@@ -388,3 +388,30 @@ def test_lse_given_backward_with_strided_views_of_out_and_inputs():
     grads = attention_backward(q, k, v, big.narrow(1, 256, 256), lse, do, attn_mask_type="causal", backend="cudnn")
     m = torch.ones(256, 256, dtype=torch.bool, device="cuda").tril()
     check_dense(out, grads[:3], q, k, v, do, 0.125, m)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_training_calls_leave_no_reference_cycle_on_cudnn(packed):
+    """A call's saved state never references its own output (see the CPU twin in
+    test_cudnn_runners_cpu): nothing is left for the garbage collector after fwd + bwd."""
+    import gc
+
+    if packed:
+        t = torch.randn(384, 4, 64, device="cuda", dtype=DT, requires_grad=True)
+        cu = torch.tensor([0, 100, 384], device="cuda", dtype=torch.int32)
+        call = lambda: fused_attn.varlen_attn(t, t, t, cu, cu, 284, 284)  # noqa: E731
+    else:
+        q = bshd(2, 256, 4, 64)
+        call = lambda: fused_attn.dot_product_attention(q, q, q, attn_mask_type="causal")  # noqa: E731
+    assert fused_attn.explain(*(3 * (t if packed else q,)), **(
+        dict(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=284, max_seqlen_kv=284) if packed
+        else dict(attn_mask_type="causal"))).backend == "cudnn"
+    call().float().sum().backward()
+    gc.collect()
+    gc.disable()
+    try:
+        call().float().sum().backward()
+        torch.cuda.synchronize()
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -260,6 +260,9 @@ class DenseRunner:
         stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
         bind["o"], bind["stats"] = out, stats
         self.graphs.run("fwd", bind)
+        # the state must not hold the output: autograd would keep it (and its graph) alive in a
+        # reference cycle out -> grad_fn -> ctx.state -> out, freed only by the garbage collector
+        del bind["o"], bind["stats"]
         if self.padding:
             self._clear_rows(out, stats, seqs)
         lse = stats.view(self.lse_shape) if self.static.spec.return_lse else None
@@ -320,7 +323,7 @@ class DenseRunner:
         if self.padding:  # rows past a length get no gradient, whatever the kernel leaves there
             for g in grads:
                 g.zero_()
-        bind = {n: t for n, t in bind_fwd.items() if n not in ("o", "stats")}
+        bind = dict(bind_fwd)
         bind.update(o=out, dO=d_o, stats=stats, dQ=grads[0], dK=grads[1], dV=grads[2])
         extra_grads = []
         d_bias = None

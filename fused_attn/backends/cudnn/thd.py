@@ -141,6 +141,7 @@ class ThdRunner:
         stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
         bind["o"], bind["stats"] = out, stats
         self.graphs.run("fwd", bind)
+        del bind["o"], bind["stats"]  # no reference cycle through the output (see DenseRunner.forward)
         if not self.static.same_lengths:
             # sequences with queries but no key: out rows 0 and lse -inf (the reference's answer)
             stats.masked_fill_(thd.seq_kv == 0, float("-inf"))
@@ -155,8 +156,9 @@ class ThdRunner:
         d_o = grad_output(grad_out, out)
         alloc = torch.zeros if self.gaps else torch.empty
         grads = [alloc(tuple(t.shape), dtype=t.dtype, device=t.device) for t in (q, k, v)]
-        dropped = ("o", "stats") if self.sink_in_bwd else ("o", "stats", "sink")
-        bind = {n: t for n, t in bind_fwd.items() if n not in dropped}
+        bind = dict(bind_fwd)
+        if not self.sink_in_bwd:
+            bind.pop("sink", None)
         bind.update(o=out, dO=d_o, stats=stats, dQ=grads[0], dK=grads[1], dV=grads[2])
         d_sink = None
         if self.sink_in_bwd:  # the graph always writes dSink, also when no sink needs it
