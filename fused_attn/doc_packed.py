@@ -49,13 +49,14 @@ def doc_cu_seqlens(cu_seq: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch.device,
-                         max_doc_len: Optional[int] = None) -> None:
+                         max_doc_len: Optional[int] = None) -> Optional[int]:
     """Validate ``cu_seq`` (B, MAX_DOCS+1) int32; raises TypeError/ValueError naming the problem.
 
-    Structure (type, dtype, rank, batch, device) is checked on the host; values (start at 0,
-    end at S, non-decreasing, documents no longer than max_doc_len) with one host read for CPU
-    tables; for CUDA tables, fake tensors and under torch.compile the value check is an
-    asynchronous device assertion (no sync).
+    Structure (type, dtype, rank, batch, device: the query's or the CPU) is checked on the host;
+    values (start at 0, end at S, non-decreasing, documents no longer than max_doc_len) with one
+    host read for CPU tables, which returns the longest document; for device tables, fake
+    tensors and under torch.compile the value check is an asynchronous device assertion (no
+    sync) and the return value is None.
     """
     if not isinstance(cu_seq, torch.Tensor):
         raise TypeError(f"cu_seq must be a (B, MAX_DOCS+1) int32 torch.Tensor, got {type(cu_seq).__name__}")
@@ -67,8 +68,8 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
         raise ValueError(f"cu_seq must have one row per batch element: expected {batch} rows, got {cu_seq.shape[0]}")
     if cu_seq.shape[1] < 2:
         raise ValueError(f"cu_seq needs at least 2 columns (MAX_DOCS >= 1), got shape {tuple(cu_seq.shape)}")
-    if cu_seq.device != device:
-        raise ValueError(f"cu_seq must be on the query's device {device}, got {cu_seq.device}")
+    if cu_seq.device != device and cu_seq.device.type != "cpu":
+        raise ValueError(f"cu_seq must be on the query's device {device} or on the CPU, got {cu_seq.device}")
     limit = seq_len if max_doc_len is None else max_doc_len
     lens = cu_seq[:, 1:] - cu_seq[:, :-1]
     if torch.compiler.is_compiling() or cu_seq.device.type != "cpu" or _is_fake(cu_seq):
@@ -78,8 +79,9 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
               & (lens <= limit).all())
         torch._assert_async(ok, f"cu_seq rows must start at 0, end at S={seq_len}, be non-decreasing, and hold "
                                 f"documents no longer than max_doc_len={limit}")
-        return
+        return None
     rows = cu_seq.tolist()
+    longest = 0
     for b, row in enumerate(rows):
         if any(x < 0 or x > seq_len for x in row):
             raise ValueError(f"cu_seq row {b} has values outside [0, S={seq_len}]: {row}")
@@ -93,9 +95,12 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
             if row[i] - row[i - 1] > limit:
                 raise ValueError(f"cu_seq row {b} has a document of length {row[i] - row[i - 1]} > max_doc_len="
                                  f"{limit}: {row}")
+            longest = max(longest, row[i] - row[i - 1])
+    return longest
 
 
-#: Checked global offsets per boundary table, keyed (id, version, B, S, max_doc_len, device).
+#: Checked global offsets (and the longest document of a host table) per boundary table, keyed
+#: (id, version, B, S, max_doc_len, device).
 #: A model's layers share one table per step, so only its first call checks and derives them
 #: (and the thd preparation, memoized per offsets tensor, is shared too). An entry keeps its
 #: table alive, so the id cannot be reused while cached; an in-place edit bumps the version.
@@ -103,18 +108,24 @@ _OFFSETS = BoundedMemo(64, "doc_packed.offsets")
 
 
 def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.device,
-                    max_doc_len: int) -> torch.Tensor:
-    """`check_doc_boundaries` then `doc_cu_seqlens`, memoized per table (not while compiling)."""
+                    max_doc_len: Optional[int]) -> Tuple[torch.Tensor, Optional[int]]:
+    """(global offsets on `device`, the longest document or None): `check_doc_boundaries` then
+    `doc_cu_seqlens`, memoized per table (not while compiling). A CPU table for device queries
+    is read on the host (its longest document comes free) and its offsets go to the device in
+    one asynchronous copy from pinned memory this function owns."""
     if torch.compiler.is_compiling() or not isinstance(cu_seq, torch.Tensor) or _is_fake(cu_seq):
         check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
-        return doc_cu_seqlens(cu_seq, seq_len)
+        return doc_cu_seqlens(cu_seq, seq_len).to(device), None
     key = (id(cu_seq), cu_seq._version, batch, seq_len, max_doc_len, device)
-    offsets = _OFFSETS.get_identity(key, (cu_seq,))
-    if offsets is None:
-        check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
+    hit = _OFFSETS.get_identity(key, (cu_seq,))
+    if hit is None:
+        longest = check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
         offsets = doc_cu_seqlens(cu_seq, seq_len)
-        _OFFSETS.put_identity(key, (cu_seq,), offsets)
-    return offsets
+        if offsets.device != device:  # a host table for device queries
+            offsets = offsets.pin_memory().to(device, non_blocking=True)
+        hit = (offsets, longest)
+        _OFFSETS.put_identity(key, (cu_seq,), hit)
+    return hit
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -186,7 +197,10 @@ def doc_packed_attn(
     Args:
         query: (B, S, H, D).  key: (B, S, H_kv, D).  value: (B, S, H_kv, D_v).
         cu_seq: (B, MAX_DOCS+1) int32 per-row document boundaries: each row starts at 0, is
-            non-decreasing and ends at S (rows with fewer documents repeat S).
+            non-decreasing and ends at S (rows with fewer documents repeat S). On the query's
+            device, or on the CPU (as data loaders make it): a host table is checked on the host
+            (ValueError at the call), its longest document sizes the graph when max_doc_len is
+            not given, and its offsets reach the device in one asynchronous copy (no sync).
         is_causal: causal within each document.
         window_size: flash-style (left, right) window within each document, -1 unbounded
             (queries and keys of a document have equal lengths, so alignment does not matter).
@@ -195,7 +209,8 @@ def doc_packed_attn(
         scale: softmax scale, default 1/sqrt(D).
         max_doc_len: optional host int >= the longest document. The cuDNN graph is sized by it
             (rounded up to a power of two): with many short documents, giving it saves most of
-            the kernel's work (launching tiles for S-long documents that end early). Default S.
+            the kernel's work (launching tiles for S-long documents that end early). Default:
+            the longest document of a host table, else S.
 
     Returns:
         out (B, S, H, D_v), differentiable (the backward uses the saved output and log-sum-exp).
@@ -211,12 +226,13 @@ def doc_packed_attn(
                                        max_doc_len=max_doc_len)
     _check_qkv(query, key, value, enable_gqa)
     batch, seq_len = query.shape[0], query.shape[1]
-    if max_doc_len is None:
-        max_doc_len = seq_len
-    elif isinstance(max_doc_len, bool) or not isinstance(max_doc_len, int) or not 0 <= max_doc_len <= seq_len:
+    if max_doc_len is not None and (isinstance(max_doc_len, bool) or not isinstance(max_doc_len, int)
+                                    or not 0 <= max_doc_len <= seq_len):
         raise ValueError(f"max_doc_len must be None or an int in [0, S={seq_len}], got {max_doc_len!r}")
     mask_type, window = _mask(is_causal, window_size)
-    cu = checked_offsets(cu_seq, batch, seq_len, query.device, max_doc_len)
+    cu, longest = checked_offsets(cu_seq, batch, seq_len, query.device, max_doc_len)
+    if max_doc_len is None:
+        max_doc_len = seq_len if longest is None else longest
     varlen = Varlen(cu, cu, None, None, max_doc_len, max_doc_len)
     out = run_call(_resolve, (mask_type, window, scale), score_mod, _packed(query), _packed(key), _packed(value), varlen)
     return out.view(batch, seq_len, out.shape[-2], out.shape[-1])

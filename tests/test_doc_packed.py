@@ -125,8 +125,29 @@ def test_cu_seq_errors(cu, exc, match):
 
 
 def test_cu_seq_device_checked():
-    with pytest.raises(ValueError, match="cu_seq must be on the query's device meta, got cpu"):
-        check_doc_boundaries(CU, 3, 12, torch.device("meta"))
+    with pytest.raises(ValueError, match="cu_seq must be on the query's device cpu or on the CPU, got meta"):
+        check_doc_boundaries(CU.to("meta"), 3, 12, torch.device("cpu"))
+    # a host table serves queries on any device: it is read on the host, giving the longest document
+    assert check_doc_boundaries(CU, 3, 12, torch.device("meta")) == 12
+
+
+@pytest.mark.parametrize("max_doc_len", [None, 11])
+def test_a_host_table_sizes_the_graph_by_its_longest_document(monkeypatch, max_doc_len):
+    """max_doc_len defaults to the longest document of a host table (read there for free), so
+    many short documents do not run a graph sized for S; a given max_doc_len is kept."""
+    from fused_attn import doc_packed as dp
+
+    seen = []
+    real = dp.run_call
+    monkeypatch.setattr(dp, "run_call", lambda *a: (seen.append(a[-1]), real(*a))[1])
+    q, k, v = make(b=3, s=12)
+    cu = torch.tensor([[0, 5, 6, 12], [0, 6, 12, 12], [0, 1, 2, 12]], dtype=torch.int32)  # longest: 10
+    out = doc_packed_attn(q, k, v, cu, is_causal=True, max_doc_len=max_doc_len)
+    varlen = seen[0]
+    assert varlen.max_seqlen_q == varlen.max_seqlen_kv == (10 if max_doc_len is None else 11)
+    torch.testing.assert_close(out, naive_docs(q, k, v, cu, is_causal=True))
+    with pytest.raises(ValueError, match="document of length 10 > max_doc_len=9"):
+        doc_packed_attn(q, k, v, cu, max_doc_len=9)
 
 
 def test_qkv_errors():

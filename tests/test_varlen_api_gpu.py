@@ -103,3 +103,44 @@ def test_doc_packed_matches_per_document_sdpa():
     want = torch.autograd.grad(ref, (q, k, v), g)
     for name, a, bb in zip("qkv", got, want):
         assert _err(a, bb) <= 2e-2 * bb.float().abs().max().item() + 1e-2, name
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_doc_packed_with_a_host_table_runs_a_graph_sized_by_the_longest_document(monkeypatch, causal):
+    """A CPU boundary table with CUDA queries: read on the host (no sync), the graph sized by its
+    longest document, offsets copied asynchronously; out and gradients against float64."""
+    import math
+
+    import fused_attn
+    from fused_attn import doc_packed as dp
+    from fused_attn.testing import assert_close, grad_tolerances, reference_attention, tolerance
+
+    seen = []
+    real = dp.run_call
+    monkeypatch.setattr(dp, "run_call", lambda *a: (seen.append(a[-1]), real(*a))[1])
+    b, s, h, d = 2, 1024, 4, 64
+    table = torch.tensor([[0, 100, 164, 400, 1024], [0, 300, 600, 900, 1024]], dtype=torch.int32)  # longest 624
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fused_attn.doc_packed_attn(q, k, v, table, is_causal=causal)
+    assert seen[-1].max_seqlen_q == 624 and seen[-1].cu_seqlens_q.is_cuda
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    doc = torch.zeros(b, s, dtype=torch.long)
+    for bi, row in enumerate(table.tolist()):
+        for i, (s0, s1) in enumerate(zip(row[:-1], row[1:])):
+            doc[bi, s0:s1] = i
+    mask = (doc[:, :, None] == doc[:, None, :])[:, None].cuda()
+    if causal:
+        mask = mask & torch.ones(s, s, dtype=torch.bool, device="cuda").tril()
+    lq, lk, lv, ldo = (t.detach().transpose(1, 2) for t in (q, k, v, do))
+    scale = 1 / math.sqrt(d)
+    exact, _ = reference_attention(lq, lk, lv, scale, mask)
+    assert_close(out.transpose(1, 2), exact, tolerance(lq, lk, lv, scale, torch.bfloat16, mask), "out")
+    want, bounds = grad_tolerances(lq, lk, lv, ldo, scale, torch.bfloat16, mask)
+    for name, got, w, bound in zip("qkv", grads, want, bounds):
+        assert_close(got.transpose(1, 2), w, bound, f"d{name}")
+    # the same call with the table on the device gives the same answer (within the rule)
+    again = fused_attn.doc_packed_attn(q, k, v, table.cuda(), is_causal=causal)
+    assert seen[-1].max_seqlen_q == s
+    assert_close(again.transpose(1, 2), exact, tolerance(lq, lk, lv, scale, torch.bfloat16, mask), "out (device table)")

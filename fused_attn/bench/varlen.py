@@ -147,7 +147,10 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
                                                                                       is_causal=causal),
                             (q, k, v), do, True, to_packed=flat),
              _autograd_impl("fused_attn_maxdoc", lambda a, bb, c: fused_attn.doc_packed_attn(
-                 a, bb, c, cu_seq, is_causal=causal, max_doc_len=longest), (q, k, v), do, True, to_packed=flat)]
+                 a, bb, c, cu_seq, is_causal=causal, max_doc_len=longest), (q, k, v), do, True, to_packed=flat),
+             _autograd_impl("fused_attn_host_table", lambda a, bb, c: fused_attn.doc_packed_attn(
+                 a, bb, c, doc_bounds, is_causal=causal), (q, k, v), do, True, to_packed=flat,
+                 note="cu_seq on the CPU: longest document read there")]
     if device.type == "cuda":
         from torch.nn.attention.flex_attention import create_block_mask
 
