@@ -314,6 +314,35 @@ def test_prepare_value_check_each_condition(case):
             varlen.prepare(layout, vl, tokens, limits)
 
 
+@pytest.mark.parametrize("case", ["valid", "start", "decreasing", "end", "limit", "tokens_differ", "bucketed"])
+def test_prepare_value_check_of_one_shared_row(case):
+    """The scalar-bounds form for one cu_seqlens serving queries and keys: each condition alone."""
+    from fused_attn.plan import Varlen
+
+    cu, tokens, limit = _cu(0, 3, 7, 7), (7, 7), 4
+    if case == "start":
+        cu = _cu(1, 3, 7, 7)
+    elif case == "decreasing":
+        cu = _cu(0, 5, 4, 7)
+    elif case == "end":
+        tokens = (8, 8)
+    elif case == "limit":
+        limit = 3
+    elif case == "tokens_differ":
+        tokens = (7, 6)
+    elif case == "bucketed":  # 5 sequences in a bucket of 8: the end sits past the real batch
+        cu = _cu(0, 1, 2, 3, 4, 7)
+    batch = cu.numel() - 1
+    layout = varlen.ThdLayout(batch, varlen.bucket_batch(batch), (H * D,), (H * D,), torch.device("cpu"))
+    vl = Varlen(cu, cu, None, None, limit, limit)
+    if case in ("valid", "bucketed"):
+        thd = varlen.prepare(layout, vl, tokens, (limit, limit))
+        assert thd.seq_kv is thd.seq_q and int(thd.seq_q.sum()) == 7
+    else:
+        with pytest.raises(RuntimeError, match="invalid cu_seqlens"):
+            varlen.prepare(layout, vl, tokens, (limit, limit))
+
+
 def test_prepare_uses_padded_offsets():
     layout, vl, tokens = make_thd([3, 4], [3, 4], padded_gap=2)
     thd = varlen.prepare(layout, vl, tokens, (4, 4))

@@ -39,10 +39,11 @@ class ModCase:
 
     def __init__(self, name: str, fused_kwargs: Callable[[], Dict], score_fn: Optional[Callable] = None,
                  causal: bool = False, flex_score: Optional[Callable] = None, flex_causal: bool = False,
-                 mask_fn: Optional[Callable] = None, note: str = ""):
+                 mask_fn: Optional[Callable] = None, flex_mask: Optional[Callable] = None, note: str = ""):
         self.name, self.fused_kwargs, self.score_fn, self.causal = name, fused_kwargs, score_fn, causal
         self.flex_score, self.flex_causal = flex_score, flex_causal
-        self.mask_fn = mask_fn  # (b, h, q_idx, kv_idx) -> bool: the reference's mask and flex's block mask
+        self.mask_fn = mask_fn  # (b, h, q_idx, kv_idx) -> bool: the reference's mask
+        self.flex_mask = flex_mask or mask_fn  # flex's mask_mod (its block mask), as a flex user writes it
         self.note = note
 
 
@@ -61,13 +62,17 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
     side = math.isqrt(s)
     natten_cases = []
     if side * side == s and side >= 3:  # NATTEN 2-D on a side x side image, a 13 x 13 (or 3 x 3) kernel
-        from score_mods.gym import natten
+        from score_mods.gym import _neighbours, natten
 
         kernel = 13 if side >= 13 else 3
         mod = natten(side, side, kernel, kernel)
+
+        def natten_mask_mod(b_, h_, q, k):  # attention-gym's NATTEN mask_mod in plain torch (square canvas)
+            return _neighbours(q // side, q % side, k // side, k % side, side, side, kernel, kernel)
+
         natten_cases.append(ModCase(
             f"natten 2-D {side}x{side} k{kernel}x{kernel}", lambda: {"fused_attn": {"score_mod": mod}},
-            mask_fn=mod.to_flex_mask(),
+            mask_fn=mod.to_flex_mask(), flex_mask=natten_mask_mod,
             note=f"{kernel * kernel}/{s} keys per query; flex skips empty tiles (block mask), cuDNN computes all "
                  "tiles; tflops: dense-equivalent"))
     return [
@@ -104,8 +109,8 @@ def _flex_fn(case: ModCase, device: torch.device, b: int, s: int) -> Callable:
     block_mask = None
     if case.flex_causal:
         block_mask = create_block_mask(lambda b_, h_, q, k: q >= k, b, None, s, s, device=device)
-    elif case.mask_fn is not None:
-        block_mask = create_block_mask(case.mask_fn, b, None, s, s, device=device)
+    elif case.flex_mask is not None:
+        block_mask = create_block_mask(case.flex_mask, b, None, s, s, device=device)
 
     def fn(q, k, v):
         o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=case.flex_score,
