@@ -122,7 +122,8 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
         longest = check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
         offsets = doc_cu_seqlens(cu_seq, seq_len)
         if offsets.device != device:  # a host table for device queries
-            offsets = offsets.pin_memory().to(device, non_blocking=True)
+            staged = offsets.pin_memory() if device.type == "cuda" else offsets
+            offsets = staged.to(device, non_blocking=True)
         hit = (offsets, longest)
         _OFFSETS.put_identity(key, (cu_seq,), hit)
     return hit
