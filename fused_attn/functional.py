@@ -13,7 +13,7 @@ import torch
 
 from . import validation as V
 from .autograd import attention
-from .causal_chunks import chunk_spec, run_in_chunks
+from .band_chunks import run_in_pieces
 from .key_range import trim_unattended_keys
 from .plan import NO_VARLEN, Explanation, Varlen, explain_plan, get_plan
 from .spec import AttentionSpec, resolve_spec
@@ -160,12 +160,10 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
              sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
     varlen = _complete(spec, varlen)
-    if spec.score_mod is not None and spec.band is not None and getattr(query, "is_cuda", False):
-        sub = chunk_spec(spec)  # a causal score_mod: query chunks over key prefixes (causal_chunks)
-        if sub is not None and varlen is NO_VARLEN:
-            got = run_in_chunks(spec, sub, mod, query, key, value, sinks)
-            if got is not None:
-                return got
+    if spec.score_mod is not None and spec.band is not None and varlen is NO_VARLEN and getattr(query, "is_cuda", False):
+        got = run_in_pieces(spec, mod, query, key, value, sinks)  # rectangles of the band (band_chunks)
+        if got is not None:
+            return got
     return _run_plan(spec, mod, query, key, value, varlen, sinks)
 
 

@@ -63,6 +63,12 @@ def test_main_rejects_unknown_suite():
         main(["bench", "nope"])
 
 
+def test_main_rejects_an_unknown_model_family(capsys):
+    assert main(["bench", "models", "--families", "gemma2,nope"]) == 2
+    out = capsys.readouterr().out
+    assert "'nope'" in out and "gemma2" in out and "llama" in out
+
+
 def test_flops_formulas():
     full = 4.0 * 2 * 16 * 4096 * 4096 * 128
     assert attn_flops(2, 16, 4096, 4096, 128, causal=False, mode="fwd") == full

@@ -308,31 +308,31 @@ def test_inference_forward_matches_the_training_forward(kw):
     check(to_logical(got, "bshd"), q_l, k_l, v_l, 1 / 8, mask, score_fn)
 
 
-@pytest.mark.parametrize("mask, sq, skv", [("causal", 4096, 4096), ("causal_bottom_right", 4096, 4608),
-                                           ("causal", 4224, 4352)])
-def test_causal_score_mod_in_query_chunks_matches_float64(mask, sq, skv, monkeypatch):
-    """softcap + causal at >= causal_chunks.MIN_QUERIES queries runs as query chunks over key
-    prefixes on cuDNN (its band is declined next to a score_mod), one graph per chunk: out, lse
-    and dq / dk / dv (ChunkedCausal, forced here below its training threshold) against float64
-    with the tolerance rule, and the forward without gradients equal to the training forward."""
+@pytest.mark.parametrize("mask, window, sq, skv", [
+    ("causal", None, 4096, 4096), ("causal_bottom_right", None, 4096, 4608), ("causal", None, 4224, 4352),
+    ("causal", (1023, 0), 4096, 4096), ("causal_bottom_right", (700, 0), 4096, 4300),
+    ("no_mask", (511, 64), 4096, 4096)])
+def test_banded_score_mod_in_rectangles_matches_float64(mask, window, sq, skv, monkeypatch):
+    """softcap with a causal or windowed band runs as rectangles of the band on cuDNN (its band
+    is declined next to a score_mod): query chunks forward, key chunks backward from the saved
+    output and lse (BandChunks, forced here whatever its thresholds). out, lse and dq / dk / dv
+    against float64 with the tolerance rule; the forward without gradients equal to the
+    training forward."""
     import fused_attn
     import score_mods as sm
-    from fused_attn import causal_chunks
-    from fused_attn.cache import GRAPH_CACHE
+    from fused_attn import band_chunks
 
-    assert sq >= causal_chunks.MIN_QUERIES
-    monkeypatch.setattr(causal_chunks, "MIN_QUERIES_TRAINING", causal_chunks.MIN_QUERIES)
-    GRAPH_CACHE.clear()
-    q, k, v = (make("bshd", 1, 2, n, 64, torch.bfloat16) for n in (sq, skv, skv))
+    monkeypatch.setattr(band_chunks, "HOST_NS_PER_PIECE", {False: 0.0, True: 0.0})
+    band_chunks.clear_memos()
+    q, k, v = (make("bshd", 1, h, n, 64, torch.bfloat16) for n, h in ((sq, 4), (skv, 2), (skv, 2)))
     grad = torch.randn_like(q)
-    kw = dict(qkv_format="bshd", attn_mask_type=mask, score_mod=sm.softcap(20.0))
+    kw = dict(qkv_format="bshd", attn_mask_type=mask, window_size=window, score_mod=sm.softcap(20.0))
     out, lse, grads = run(q, k, v, grad, **kw)
-    assert type(out.grad_fn).__name__.startswith("ChunkedCausal")
-    assert len([key for key in GRAPH_CACHE.keys() if key.direction == "fwd"]) == len(causal_chunks.bounds(sq))
+    assert type(out.grad_fn).__name__.startswith("BandChunks")
     with torch.no_grad():
         inferred = fused_attn.dot_product_attention(q, k, v, backend="cudnn", **kw)
     assert torch.equal(inferred, out.detach())
     out_l, q_l, k_l, v_l, do_l = (to_logical(t, "bshd") for t in (out, q, k, v, grad))
     score_fn = lambda s, *_: 20.0 * torch.tanh(s / 20.0)  # noqa: E731
-    check(out_l, q_l, k_l, v_l, 1 / 8, allowed_mask(sq, skv, attn_mask_type=mask), score_fn, lse=lse,
-          grads=[to_logical(g, "bshd") for g in grads], do=do_l)
+    check(out_l, q_l, k_l, v_l, 1 / 8, allowed_mask(sq, skv, attn_mask_type=mask, window_size=window), score_fn,
+          lse=lse, grads=[to_logical(g, "bshd") for g in grads], do=do_l)

@@ -118,7 +118,8 @@ class ReferenceRunner:
         sink_leaf = named.pop(_SINKS, sinks)
         if named:
             mod = mod.bind(**named)
-        row_dot = (grad_out.float() * out.float()).sum(-1)  # the query's format without D
+        acc = _acc_dtype(out.dtype)
+        row_dot = (grad_out.to(acc) * out.to(acc)).sum(-1)  # the query's format without D
         if self.perm is not None:
             row_dot = row_dot.permute(self.perm[:3])  # -> (B, H, Sq)
         else:

@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all",))
     p.add_argument("--quick", action="store_true", help="reduced grid (whole `all --quick` run: a few minutes)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--families", default=None,
+                   help="models suite only: comma-separated model families (default: llama,gemma2,gpt_oss)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="without a CUDA GPU: run the harness at tiny shapes on CPU (reference backend)")
     return p
@@ -80,6 +82,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args_list[:1] == ["bench"]:
         args_list = args_list[1:]
     args = _parser().parse_args(args_list)
+    families = None
+    if args.families is not None:
+        from .models import FAMILIES
+
+        families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+        bad = [f for f in families if f not in FAMILIES]
+        if bad or not families:
+            print(f"--families: unknown model family {bad or args.families!r}; choose from {', '.join(FAMILIES)}")
+            return 2
     if not torch.cuda.is_available():
         print("fused_attn benchmarks need a CUDA GPU; none is available.")
         if not args.cpu_smoke:
@@ -94,7 +105,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failures: List[str] = []
     for name in SUITES if args.suite == "all" else (args.suite,):
         try:
-            result = _suite_runner(name)(args.quick, device)
+            if name == "models" and families is not None:
+                from .models import run as run_models
+
+                result = run_models(args.quick, device, families=families)
+            else:
+                result = _suite_runner(name)(args.quick, device)
         except Exception as exc:  # a whole suite could not run: report, keep going, fail at the end
             traceback.print_exc()
             failures.append(f"{name}: suite crashed: {type(exc).__name__}: {exc}")

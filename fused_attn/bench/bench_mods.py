@@ -48,11 +48,13 @@ class ModCase:
 
 
 def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
-    """softcap(30), causal (score_mod and native), post_scale_bias, alibi, and NATTEN 2-D when S is
-    a square (a mask score_mod on cuDNN vs flex_attention with the same mask as a block mask)."""
+    """softcap(30) alone, causal and windowed, causal (score_mod and native), post_scale_bias, alibi,
+    and NATTEN 2-D when S is a square (a mask score_mod on cuDNN vs flex_attention with the same
+    mask as a block mask)."""
     from score_mods.library import alibi, causal, post_scale_bias, softcap
 
     cap = 30.0
+    window = max(1, s // 4)  # Gemma 2's local layers see a window of half its context (4096 of 8192)
     gen = torch.Generator(device=device).manual_seed(1234)
     bias = torch.randn(1, h, s, s, device=device, dtype=torch.float32, generator=gen)
     slopes = alibi_slope_values(h, device)
@@ -80,7 +82,14 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
         ModCase("softcap(30) + causal (Gemma 2)", lambda: {"fused_attn": {"score_mod": softcap(cap),
                                                                          "attn_mask_type": "causal"}},
                 capped, causal=True, flex_score=capped, flex_causal=True,
-                note="cuDNN declines its band next to a score_mod: query chunks over key prefixes"),
+                note="cuDNN declines its band next to a score_mod: rectangles of the band (band_chunks)"),
+        ModCase(f"softcap(30) + window {window} (Gemma 2 local)",
+                lambda: {"fused_attn": {"score_mod": softcap(cap), "attn_mask_type": "causal",
+                                        "window_size": (window - 1, 0)}},
+                capped, flex_score=capped, mask_fn=lambda b_, h_, q, k: (q >= k) & (q - k < window),
+                note="cuDNN declines its band next to a score_mod: rectangles of the band (query chunks "
+                     "forward, key chunks backward); flex skips the tiles outside the window (block mask); "
+                     "tflops: dense-equivalent"),
         ModCase("causal", lambda: {"fused_attn_scoremod": {"score_mod": causal()},
                                    "fused_attn_native": {"attn_mask_type": "causal"}}, causal=True, flex_causal=True),
         ModCase("post_scale_bias", lambda: {"fused_attn": {"score_mod": post_scale_bias(bias)}}, biased,

@@ -1,0 +1,264 @@
+"""Banded score_mod calls served as rectangles of the band (fused_attn.band_chunks): the
+rectangles' geometry against the brute-force mask, which specs qualify, and exactness against the
+unchunked call in float64 (the reference backend on CPU; the GPU test runs cuDNN against float64)."""
+
+import random
+
+import pytest
+import torch
+
+import score_mods as sm
+from fused_attn import band_chunks as C
+from fused_attn.functional import _run_plan
+from fused_attn.plan import NO_VARLEN
+from fused_attn.problem import Band
+from fused_attn.spec import resolve_spec
+
+
+@pytest.fixture
+def small_thresholds(monkeypatch):
+    """Cut calls of any size that saves any work (the shipped cost model is for H200 kernels)."""
+    monkeypatch.setattr(C, "HOST_NS_PER_PIECE", {False: 0.0, True: 0.0})
+    monkeypatch.setattr(C, "WINDOW_CHUNK", 128)
+    C.clear_memos()
+    yield
+    C.clear_memos()
+
+
+def test_bounds_cover_the_rows_on_tile_multiples():
+    assert C.bounds(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    for n, chunks in ((2048, 4), (2100, 4), (2111, 3), (5000, 8), (300, 4), (128, 4)):
+        b = C.bounds(n, chunks)
+        assert b[0][0] == 0 and b[-1][1] == n and all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert all(e % 128 == 0 for _, e in b[:-1]) and all(e > s for s, e in b)
+
+
+def _allowed(band, sq, skv):
+    """The global mask of `band` by brute force: (Sq, Skv) bool."""
+    i = torch.arange(sq).view(-1, 1)
+    j = torch.arange(skv).view(1, -1)
+    d = j - i - ((skv - sq) if band.bottom_right else 0)
+    ok = d <= band.right
+    if band.left is not None:
+        ok &= d >= -band.left
+    return ok
+
+
+def _check_rectangles(band, sq, skv):
+    pieces = C.plan_pieces(band, sq, skv)
+    full = _allowed(band, sq, skv)
+    if pieces is None:  # refused only when a row has no key (or a bound would be negative)
+        return full.any(dim=1).all().item() is False or None
+    for kind, parts in (("forward", pieces.forward), ("backward", pieces.backward)):
+        covered = torch.zeros(sq if kind == "forward" else skv, dtype=torch.int64)
+        for p in parts:
+            if kind == "forward":
+                covered[p.q0:p.q1] += 1
+            else:
+                covered[p.k0:p.k1] += 1
+            if p.band is None:  # no query reaches these keys
+                assert kind == "backward" and not full[:, p.k0:p.k1].any()
+                continue
+            assert p.band.left is None or p.band.left >= 0
+            assert p.band.right >= 0
+            # the rectangle's own band is the global mask restricted to it ...
+            mine = _allowed(p.band, p.q1 - p.q0, p.k1 - p.k0)
+            assert torch.equal(mine, full[p.q0:p.q1, p.k0:p.k1]), (kind, p)
+            # ... and nothing the rectangle owns lies outside it
+            if kind == "forward":
+                assert full[p.q0:p.q1].sum() == mine.sum(), (kind, p)
+            else:
+                assert full[:, p.k0:p.k1].sum() == mine.sum(), (kind, p)
+            if kind == "backward":  # the backward's key lengths stay off 64 mod 128
+                assert (p.k1 - p.k0) % 128 == 0 or p.k1 == skv
+        assert torch.equal(covered, torch.ones_like(covered)), kind
+    return True
+
+
+@pytest.mark.parametrize("band, sq, skv", [
+    (Band(None, 0, False), 1024, 1024), (Band(None, 0, True), 640, 1000), (Band(None, 0, False), 300, 700),
+    (Band(255, 0, False), 1024, 1024), (Band(100, 0, True), 700, 900), (Band(150, 30, False), 900, 900),
+    (Band(None, 40, False), 800, 600), (Band(0, 0, False), 512, 512),
+])
+def test_rectangles_hold_exactly_the_band(small_thresholds, band, sq, skv):
+    assert _check_rectangles(band, sq, skv)
+
+
+def test_rectangles_hold_exactly_random_bands(small_thresholds):
+    rng = random.Random(11)
+    for _ in range(60):
+        sq, skv = rng.randrange(128, 900), rng.randrange(128, 900)
+        left = rng.choice([None, rng.randrange(0, 400)])
+        band = Band(left, rng.randrange(0, 200), rng.random() < 0.5)
+        assert _check_rectangles(band, sq, skv) is not False, (band, sq, skv)
+
+
+def test_rows_without_keys_are_not_cut(small_thresholds):
+    # bottom-right causal with Skv < Sq: the first Sq - Skv rows see no key
+    assert C.plan_pieces(Band(None, 0, True), 800, 600) is None
+
+
+def test_work_shares():
+    C.clear_memos()
+    assert C.plan_pieces(Band(None, 0, False), 4096, 4096).work == pytest.approx(10 / 16)
+    window = C.plan_pieces(Band(1023, 0, False), 4096, 4096)
+    assert window.work < 0.45 and len(window.forward) == 4096 // max(C.WINDOW_CHUNK, 1024)
+
+
+
+
+@pytest.mark.parametrize("kw, ok", [
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal"), True),
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal_bottom_right"), True),
+    (dict(score_mod=sm.softcap(30.0), window_size=(-1, 0)), True),
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal", window_size=(64, 0)), True),
+    (dict(score_mod=sm.softcap(30.0), window_size=(64, 16)), True),
+    (dict(score_mod=sm.softcap(30.0), window_size=(64, -1)), False),  # unbounded on the right
+    (dict(score_mod=sm.alibi(torch.ones(4)), attn_mask_type="causal"), False),  # reads positions
+    (dict(score_mod=sm.post_scale_bias(torch.ones(1, 1, 8, 8)), attn_mask_type="causal"), False),  # by position
+    (dict(score_mod=sm.softcap(30.0)), False),  # no band
+    (dict(attn_mask_type="causal"), False),  # cuDNN's own band already skips tiles
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal", backend="reference"), False),
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="causal", dropout_p=0.1), False),
+    (dict(score_mod=sm.softcap(30.0), attn_mask_type="padding_causal"), False),
+])
+def test_which_specs_qualify(kw, ok):
+    spec, _ = resolve_spec(**kw)
+    assert C.eligible(spec) == ok
+    if ok:
+        sub = C.piece_spec(spec, Band(3, 5, False))
+        assert sub.band == Band(3, 5, False) and sub.return_lse and sub.score_mod_key == spec.score_mod_key
+        assert C.piece_spec(spec, Band(3, 5, False)) is sub
+
+
+def test_a_mod_reading_key_positions_does_not_qualify():
+    @sm.score_mod
+    def key_tilt(score, b, h, q_idx, kv_idx):
+        return score + kv_idx * 0.01
+
+    spec, _ = resolve_spec(score_mod=key_tilt, attn_mask_type="causal")
+    assert not C.eligible(spec)
+
+
+def _assert_same(plain, chunked, return_lse):
+    """Outputs (and lse) to float64 rounding; gradients to the lse's: the backward rectangles
+    read the forward's log-sum-exp, which every backend keeps in fp32 (cuDNN's Stats)."""
+    n_out = 2 if return_lse else 1
+    for i, (a, b) in enumerate(zip(plain, chunked)):
+        tol = 1e-10 if i < n_out else 1e-6
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+CASES = [("causal", None, 600, 600), ("causal", None, 600, 700), ("causal_bottom_right", None, 520, 800),
+         ("causal", None, 300, 700), ("no_mask", (200, 0), 700, 700), ("causal_bottom_right", (150, 0), 600, 650),
+         ("no_mask", (150, 30), 640, 640)]
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+@pytest.mark.parametrize("mask, window, sq, skv", CASES)
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_rectangles_equal_the_unchunked_call(small_thresholds, fmt, mask, window, sq, skv, return_lse):
+    """Forward (no grad) and forward + backward (BandChunks: query chunks forward, key chunks
+    backward from the saved output and lse) equal the plain call in float64 on the reference."""
+    g = torch.Generator().manual_seed(5)
+    shape = {"bshd": lambda s, h: (2, s, h, 16), "sbhd": lambda s, h: (s, 2, h, 16),
+             "bhsd": lambda s, h: (2, h, s, 16)}[fmt]
+    q = torch.randn(*shape(sq, 4), generator=g, dtype=torch.float64)
+    k, v = (torch.randn(*shape(skv, 2), generator=g, dtype=torch.float64) for _ in range(2))  # GQA 4/2
+    do = torch.randn(*shape(sq, 4), generator=g, dtype=torch.float64)
+    kw = dict(qkv_format=fmt, score_mod=sm.softcap(5.0), attn_mask_type=mask, window_size=window,
+              return_lse=return_lse)
+    spec, mod = resolve_spec(backend="auto", **kw)
+    assert C.eligible(spec)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = fn(*leaves)
+        out = got[0] if return_lse else got
+        d = torch.autograd.grad(out, leaves, do)
+        return ([out, got[1]] if return_lse else [out]) + list(d)
+
+    plain = grads(lambda a, b, c: _run_plan(spec, mod, a, b, c, NO_VARLEN, None))
+    chunked = grads(lambda a, b, c: C.run_in_pieces(spec, mod, a, b, c, None))
+    _assert_same(plain, chunked, return_lse)
+    with torch.no_grad():
+        fwd = C.run_in_pieces(spec, mod, q, k, v, None)
+    for a, b in zip(plain, fwd if return_lse else [fwd]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_rectangles_with_fixed_sinks_equal_the_unchunked_call(small_thresholds):
+    g = torch.Generator().manual_seed(8)
+    q, k, v, do = (torch.randn(1, 520, 2, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    sinks = torch.randn(2, generator=g, dtype=torch.float64)
+    spec, mod = resolve_spec(score_mod=sm.softcap(5.0), window_size=(130, 0), softmax_type="learnable")
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return [out] + list(torch.autograd.grad(out, leaves, do))
+
+    plain = grads(lambda a, b, c: _run_plan(spec, mod, a, b, c, NO_VARLEN, sinks))
+    chunked = grads(lambda a, b, c: C.run_in_pieces(spec, mod, a, b, c, sinks))
+    assert chunked[0].grad_fn is not None and type(chunked[0].grad_fn).__name__.startswith("BandChunks")
+    _assert_same(plain, chunked, False)
+
+
+def test_backward_refuses_a_score_mod_changed_in_place(small_thresholds):
+    spec, mod = resolve_spec(score_mod=sm.softcap(5.0).private_copy(), attn_mask_type="causal")
+    q = torch.randn(1, 512, 2, 16, dtype=torch.float64, requires_grad=True)
+    out = C.run_in_pieces(spec, spec.score_mod, q, q.detach(), q.detach(), None)
+    assert out.grad_fn is not None and type(out.grad_fn).__name__.startswith("BandChunks")
+    assert spec.score_mod.take_values(sm.softcap(7.0))
+    with pytest.raises(RuntimeError, match="changed its values between this forward and its backward"):
+        out.sum().backward()
+
+
+def test_tables_or_sinks_that_train_are_not_chunked(small_thresholds):
+    q = torch.randn(1, 512, 2, 16, dtype=torch.float64, requires_grad=True)
+    spec, _ = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal", softmax_type="learnable")
+    sinks = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    assert C.run_in_pieces(spec, spec.score_mod, q, q, q, sinks) is None
+
+
+def test_the_cost_model_weighs_saved_gpu_time_against_added_host_time():
+    causal = C.plan_pieces(Band(None, 0, False), 4096, 4096)
+    window = C.plan_pieces(Band(1023, 0, False), 16384, 16384)
+    # a Gemma 2 sized causal layer (B2 H16 S4096 D64): the host time of 8 rectangles outweighs
+    # the 37.5% of GPU work they skip; a long windowed call saves far more than it adds
+    assert not C.pays(causal, 2 * 16 * 4096 * 4096, 64, grad=True)
+    assert C.pays(causal, 2 * 16 * 4096 * 4096, 128, grad=False)
+    assert C.pays(window, 16 * 16384 * 16384, 64, grad=True)
+    assert not C.pays(causal, 1 * 16 * 4096 * 4096, 64, grad=False)
+
+
+def test_calls_that_do_not_pay_are_not_cut(monkeypatch):
+    C.clear_memos()
+    spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
+    q = torch.randn(1, 1024, 2, 16, dtype=torch.float64)
+    assert C.run_in_pieces(spec, mod, q, q, q, None) is None  # a small call: the host time wins
+    monkeypatch.setattr(C, "HOST_NS_PER_PIECE", {False: 0.0, True: 0.0})
+    C.clear_memos()
+    assert C.run_in_pieces(spec, mod, q, q, q, None) is not None
+
+
+def test_needs_grad():
+    q = torch.randn(1, 8, 2, 16)
+    mod = sm.softcap(5.0)
+    assert not C.needs_grad(q, q, q, mod, None)
+    assert C.needs_grad(q.clone().requires_grad_(), q, q, mod, None)
+    with torch.no_grad():
+        assert not C.needs_grad(q.clone().requires_grad_(), q, q, mod, None)
+    table = torch.zeros(2, requires_grad=True)
+    assert C.needs_grad(q, q, q, sm.alibi(table), None)
+    assert C.needs_grad(q, q, q, mod, torch.zeros(2, requires_grad=True))
+
+
+def test_training_calls_weigh_their_backward_rectangles_too(monkeypatch):
+    monkeypatch.setattr(C, "HOST_NS_PER_PIECE", {False: 0.0, True: 1e12})
+    C.clear_memos()
+    spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
+    q = torch.randn(1, 512, 2, 16, dtype=torch.float64)
+    assert C.run_in_pieces(spec, mod, q, q, q, None) is not None  # no gradient: cut
+    assert C.run_in_pieces(spec, mod, q.requires_grad_(), q, q, None) is None  # training: does not pay
+    C.clear_memos()
