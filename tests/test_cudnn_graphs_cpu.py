@@ -314,7 +314,7 @@ def test_prepare_value_check_each_condition(case):
             varlen.prepare(layout, vl, tokens, limits)
 
 
-@pytest.mark.parametrize("case", ["valid", "start", "decreasing", "end", "limit", "tokens_differ", "bucketed"])
+@pytest.mark.parametrize("case", ["valid", "start", "start_negative", "decreasing", "end", "end_past_tokens", "limit", "tokens_differ", "bucketed"])
 def test_prepare_value_check_of_one_shared_row(case):
     """The scalar-bounds form for one cu_seqlens serving queries and keys: each condition alone."""
     from fused_attn.plan import Varlen
@@ -322,6 +322,10 @@ def test_prepare_value_check_of_one_shared_row(case):
     cu, tokens, limit = _cu(0, 3, 7, 7), (7, 7), 4
     if case == "start":
         cu = _cu(1, 3, 7, 7)
+    elif case == "start_negative":
+        cu = _cu(-1, 3, 7, 7)
+    elif case == "end_past_tokens":
+        tokens = (6, 6)
     elif case == "decreasing":
         cu = _cu(0, 5, 4, 7)
     elif case == "end":

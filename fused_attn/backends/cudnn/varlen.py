@@ -138,8 +138,13 @@ def _prepare(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> T
     stacked = rows[0].unsqueeze(0) if len(rows) + len(tok_rows) == 1 else torch.stack(rows + tok_rows)
     idx = layout.index()
     ext = stacked if idx is None else stacked.index_select(1, idx)
-    lens = ext[:, 1:] - ext[:, :-1]
     n = len(rows)
+    shared_row = n == 1 and pad_q is None and pad_kv is None and tokens[0] == tokens[1]
+    if shared_row:  # the lengths land in the buffer the value check reads (see _assert_valid_shared)
+        checked = torch.empty(ext.shape[1] + 3, dtype=ext.dtype, device=ext.device)
+        lens = torch.sub(ext[0, 1:], ext[0, :-1], out=checked[:ext.shape[1] - 1]).unsqueeze(0)
+    else:
+        lens = ext[:, 1:] - ext[:, :-1]
     seq_q = lens[0].view(-1, 1, 1, 1)
     seq_kv = seq_q if n == 1 else lens[1].view(-1, 1, 1, 1)
     tok_q = ext[n] if pad_q is not None else ext[0]
@@ -153,7 +158,10 @@ def _prepare(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> T
         prod = tok.unsqueeze(0) * layout.mults(side)
         for i, m in enumerate(mults):
             offsets[(side, m)] = prod[i].view(-1, 1, 1, 1)
-    _assert_valid(ext, lens, n, pad_q is not None, pad_kv is not None, tokens, limits)
+    if shared_row:
+        _assert_valid_shared(ext, checked, tokens[0], min(limits))
+    else:
+        _assert_valid(ext, lens, n, pad_q is not None, pad_kv is not None, tokens, limits)
     return ThdBatch(seq_q, seq_kv, tok_q, offsets)
 
 
@@ -165,9 +173,6 @@ def _assert_valid(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool
     """One asynchronous device assertion over every value check (no host sync, four kernels
     and a cat): rows start at 0, lengths in [0, limit] (padded slots: >= 0 and holding their
     sequence), the token-offset rows end at the token counts."""
-    if n == 1 and not has_pad_q and not has_pad_kv and tokens[0] == tokens[1]:
-        _assert_valid_shared(ext, lens, tokens[0], min(limits))
-        return
     rows, buckets = lens.shape
     lo, hi = [], []
     for r in range(rows):
@@ -194,15 +199,23 @@ def _assert_valid(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool
                                   "sequence", also)
 
 
-def _assert_valid_shared(ext: torch.Tensor, lens: torch.Tensor, tokens: int, limit: int) -> None:
-    """`_assert_valid` for one offsets row serving queries and keys (self-attention, documents):
-    lengths in [0, limit], start 0, end at `tokens`, with the host values as kernel scalars. In a
-    varlen training step on H200 (one run) the general form, whose bounds travel host->device
-    through a pinned staging buffer, cost ~250 us of host time; this one ~110 us."""
-    pattern = _END_PATTERN.get_or_create((ext.device, ext.dtype),
-                                         lambda: torch.tensor([0, 1], dtype=ext.dtype, device=ext.device))
-    ends = ext[0, ::lens.shape[1]].sub(pattern, alpha=tokens)  # [start, end - tokens]: both 0
-    ok = lens.clamp(0, limit).eq_(lens).all() & ends.eq(0).all()
+def _assert_valid_shared(ext: torch.Tensor, checked: torch.Tensor, tokens: int, limit: int) -> None:
+    """`_assert_valid` for one offsets row serving queries and keys (self-attention, documents),
+    with the host values as kernel scalars: `checked` (L + 4,) holds the L lengths (written by
+    the prep) and gets [start, start + limit, end - tokens, end - tokens + limit]; every entry
+    in [0, limit] is exactly: lengths in [0, limit], start == 0, end == tokens (int32 cannot
+    wrap into the range: tokens and limit are below 2**31). Five small kernels and the assertion;
+    the general form's pinned host->device bounds copy cost a varlen training step ~250 us of
+    host time on H200 (one run), an earlier scalar form ~110 us with two kernels more."""
+    n = ext.shape[1] - 1
+    row = ext[0]
+    ends = row.as_strided((2, 2), (n * row.stride(0), 0))  # [[start, start], [end, end]]
+    by_tokens, by_limit = _END_PATTERN.get_or_create((ext.device, ext.dtype), lambda: (
+        torch.tensor([[0, 0], [1, 1]], dtype=ext.dtype, device=ext.device),
+        torch.tensor([[0, -1], [0, -1]], dtype=ext.dtype, device=ext.device)))
+    tail = checked[n:].view(2, 2)
+    torch.sub(ends, by_tokens, alpha=tokens, out=tail).sub_(by_limit, alpha=limit)
+    ok = checked.clamp(0, limit).eq_(checked).all()
     torch._assert_async(ok, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the "
                             "token count and give lengths <= max_seqlen")
 
