@@ -130,6 +130,10 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
 
 
 def _is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake tensor (tracing); a plain torch.Tensor never is (the common case,
+    decided without the ~10 us of torch's general check)."""
+    if type(t) is torch.Tensor:
+        return False
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(t)
