@@ -36,7 +36,7 @@ from .memo import BoundedMemo
 from .problem import Band
 from .spec import AttentionSpec
 
-__all__ = ["Piece", "Pieces", "eligible", "bounds", "plan_pieces", "run_in_pieces", "needs_grad", "BandChunks",
+__all__ = ["Piece", "Pieces", "eligible", "bounds", "plan_pieces", "run_in_pieces", "BandChunks",
            "pays", "PLAIN_NS_PER_SCORE_DIM", "HOST_NS_PER_PIECE", "clear_memos", "CAUSAL_CHUNKS", "WINDOW_CHUNK"]
 
 TILE = 128
@@ -185,19 +185,18 @@ def piece_spec(spec: AttentionSpec, band: Band) -> AttentionSpec:
     return hit
 
 
-def needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any,
-               sinks: Optional[torch.Tensor]) -> bool:
-    """Whether this call records a backward."""
-    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
-                                        or _trains_extras(mod, sinks))
-
-
 def _trains_extras(mod: Any, sinks: Optional[torch.Tensor]) -> bool:
     """Gradients other than dq, dk, dv asked for (score_mod tables, sinks): not served here."""
     if sinks is not None and sinks.requires_grad:
         return True
     tensors = mod.tensors() if hasattr(mod, "tensors") else {}
     return any(t.requires_grad for t in tensors.values())
+
+
+def _views(p: Piece, seq: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """The rectangle's query rows and key / value rows (views)."""
+    return (query.narrow(seq, p.q0, p.q1 - p.q0), key.narrow(seq, p.k0, p.k1 - p.k0),
+            value.narrow(seq, p.k0, p.k1 - p.k0))
 
 
 def run_in_pieces(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any,
@@ -208,7 +207,7 @@ def run_in_pieces(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: An
     runners: a repeated call does one lookup, then the kernels."""
     if not eligible(spec):
         return None
-    from .plan import NO_VARLEN, signature
+    from .plan import NO_VARLEN, signature, signature_records_grad
 
     try:
         sig = signature(spec, query, key, value, NO_VARLEN, mod, sinks)
@@ -216,7 +215,7 @@ def run_in_pieces(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: An
         return None  # the plain path validates and names the argument
     hit = _CALLS.get(sig)
     if hit is None:
-        hit = (_make_call(spec, mod, query, key, value, sinks, grad=sig[8]),)
+        hit = (_make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig)),)
         _CALLS.put(sig, hit)
     call = hit[0]
     if call is None:
@@ -264,9 +263,7 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
             if p.band is None:
                 out.append(None)
                 continue
-            qc, kc, vc = q.narrow(seq, p.q0, p.q1 - p.q0), k.narrow(seq, p.k0, p.k1 - p.k0), \
-                v.narrow(seq, p.k0, p.k1 - p.k0)
-            out.append(get_plan(piece_spec(spec, p.band), mod, qc, kc, vc, NO_VARLEN, sinks,
+            out.append(get_plan(piece_spec(spec, p.band), mod, *_views(p, seq, q, k, v), NO_VARLEN, sinks,
                                 force_grad=force_grad).runner)
         return tuple(out)
 
@@ -285,8 +282,7 @@ def _forward(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.T
     out = torch.empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype=query.dtype, device=query.device)
     lse = None
     for p, runner in zip(call.forward, call.forward_runners):
-        o, l = attention(runner, query.narrow(seq, p.q0, p.q1 - p.q0), key.narrow(seq, p.k0, p.k1 - p.k0),
-                         value.narrow(seq, p.k0, p.k1 - p.k0), NO_VARLEN, mod, sinks)
+        o, l = attention(runner, *_views(p, seq, query, key, value), NO_VARLEN, mod, sinks)
         out.narrow(seq, p.q0, p.q1 - p.q0).copy_(o)
         if lse is None:
             lse = torch.empty(tuple(l.shape[:2]) + (query.shape[seq],), dtype=l.dtype, device=l.device)
@@ -331,9 +327,8 @@ class BandChunks(torch.autograd.Function):
                 continue
             rows = p.q1 - p.q0
             grads = runner.backward_with_lse(
-                query.narrow(seq, p.q0, rows), key.narrow(seq, p.k0, kc), value.narrow(seq, p.k0, kc),
-                out.narrow(seq, p.q0, rows), lse[:, :, p.q0:p.q1], NO_VARLEN, mod, ctx.sinks,
-                grad_out.narrow(seq, p.q0, rows))
+                *_views(p, seq, query, key, value), out.narrow(seq, p.q0, rows), lse[:, :, p.q0:p.q1], NO_VARLEN,
+                mod, ctx.sinks, grad_out.narrow(seq, p.q0, rows))
             if dq is None and rows == sq:
                 dq = grads[0].to(acc)
             else:

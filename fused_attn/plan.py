@@ -179,6 +179,11 @@ def signature(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             None if sinks is None else _tensor_sig(sinks))
 
 
+def signature_records_grad(key: tuple) -> bool:
+    """Whether the call a `signature` key describes records a backward."""
+    return key[8]
+
+
 def _bucket_arg(n: Any) -> Any:
     """Bucket of a max_seqlen argument; anything that is not a plain int is kept as is (the
     slow path names it)."""

@@ -242,18 +242,6 @@ def test_calls_that_do_not_pay_are_not_cut(monkeypatch):
     assert C.run_in_pieces(spec, mod, q, q, q, None) is not None
 
 
-def test_needs_grad():
-    q = torch.randn(1, 8, 2, 16)
-    mod = sm.softcap(5.0)
-    assert not C.needs_grad(q, q, q, mod, None)
-    assert C.needs_grad(q.clone().requires_grad_(), q, q, mod, None)
-    with torch.no_grad():
-        assert not C.needs_grad(q.clone().requires_grad_(), q, q, mod, None)
-    table = torch.zeros(2, requires_grad=True)
-    assert C.needs_grad(q, q, q, sm.alibi(table), None)
-    assert C.needs_grad(q, q, q, mod, torch.zeros(2, requires_grad=True))
-
-
 def test_training_calls_weigh_their_backward_rectangles_too(monkeypatch):
     monkeypatch.setattr(C, "HOST_NS_PER_PIECE", {False: 0.0, True: 1e12})
     C.clear_memos()
