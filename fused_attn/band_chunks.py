@@ -14,9 +14,9 @@ In global positions query i sees key j iff lo <= j - i <= hi (lo = shift - left 
 hi = shift + right, shift = Skv - Sq for a bottom-right band, else 0). A rectangle at (q0, k0)
 sees b - a in [lo - k0 + q0, hi - k0 + q0] in its own positions: a top-left band
 `Band(k0 - q0 - lo, hi - k0 + q0)`, or the bottom-right one where a bound would be negative
-(see `_piece`). Key chunks sit on multiples of cuDNN's
-128-row tile, which keeps the backward's key lengths off 64 mod 128 (cuDNN 9.19's NaN-dQ fault,
-see `backends/cudnn/dense.py`); the forward's key ranges start where the band does.
+(see `_piece`). Key chunks sit on multiples of cuDNN's 128-row tile, which keeps the backward's
+key lengths off 64 mod 128 (cuDNN 9.19's NaN-dQ fault, see `backends/cudnn/dense.py`); the
+forward's key ranges start where the band does.
 
 Exact only when the score_mod reads no position and no length (they would be the
 rectangle's) and indexes no tensor by position; dense layouts without padding or dropout;
@@ -50,8 +50,8 @@ TILE = 128
 #: window 0.74 -> 0.38 and 1.83 -> 1.19; that window at B1 S8192 1.46 -> 0.42 and 3.57 -> 1.21.
 #: A call is cut only when the estimated saving exceeds the added host time, so a host-bound
 #: loop (a training step of a small model) never pays for it.
-PLAIN_NS_PER_SCORE_DIM = {False: 0.575e6 / (2 ** 29 * 64), True: 1.55e6 / (2 ** 29 * 64)}
-HOST_NS_PER_PIECE = {False: 90e3, True: 250e3}
+PLAIN_NS_PER_SCORE_DIM = (0.575e6 / (2 ** 29 * 64), 1.55e6 / (2 ** 29 * 64))  # indexed by grad
+HOST_NS_PER_PIECE = (90e3, 250e3)  # indexed by grad
 CAUSAL_CHUNKS = 4  # chunks of an unbounded (causal) band
 WINDOW_CHUNK = 1024  # rows per chunk of a window band (at least the window, rounded to the tile)
 _SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2}
@@ -62,8 +62,8 @@ _CALLS = BoundedMemo(256, "band_chunks.calls")  # call signature -> (_Call or No
 
 
 class Piece(NamedTuple):
-    """One rectangle: queries [q0, q1), keys [k0, k1), its own top-left band (None: no key of
-    the rectangle is attended; its gradients are zero)."""
+    """One rectangle: queries [q0, q1), keys [k0, k1), its own band in its own positions
+    (None: no key of the rectangle is attended; its gradients are zero)."""
 
     q0: int
     q1: int
@@ -176,7 +176,7 @@ def pays(pieces: Pieces, scores: int, head_dim: int, grad: bool) -> bool:
 
 
 def piece_spec(spec: AttentionSpec, band: Band) -> AttentionSpec:
-    """The spec of one rectangle: the call's with the rectangle's top-left band and its lse."""
+    """The spec of one rectangle: the call's with the rectangle's band, returning its lse."""
     key = (spec, band)
     hit = _SPECS.get(key)
     if hit is None:
@@ -273,8 +273,8 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
     return call
 
 
-def _forward(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any = None,
-             sinks: Optional[torch.Tensor] = None):
+def _forward(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any,
+             sinks: Optional[torch.Tensor]):
     """(out, lse (B, H, Sq), fp32 or the float64 of float64 inputs): each query chunk in place."""
     from .plan import NO_VARLEN
 
