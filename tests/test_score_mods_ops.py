@@ -51,6 +51,12 @@ CASES = {
 }
 
 
+#: cases whose value comes from a math library function (pow with a fractional exponent, erf):
+#: torch's vectorized kernels and Python's libm may differ in the last bit, so these compare to a
+#: few ulps; every integer, rounding and bitwise case is compared exactly
+_LIBM_CASES = frozenset({"pow_half", "erf"})
+
+
 def _python_grid(f):
     return torch.tensor([[float(f(i - j)) for j in range(S)] for i in range(S)], dtype=torch.float64)
 
@@ -66,7 +72,12 @@ def test_eager_equals_python_semantics(case):
     s = torch.randn(1, 1, S, S, dtype=torch.float64)
     got = mod.eager(s, *IDX, S, S)
     want = s[0, 0] + _python_grid(f)
-    assert torch.equal(got[0, 0], want), (got[0, 0] - want).abs().max()
+    if case in _LIBM_CASES:  # neither torch's nor C's pow / erf is correctly rounded: 1 ulp apart
+        # (measured against the function's own magnitude: score + value can cancel)
+        ulps = 4 * torch.finfo(torch.float64).eps * _python_grid(f).abs().max().item()
+        torch.testing.assert_close(got[0, 0], want, rtol=0.0, atol=ulps)
+    else:
+        assert torch.equal(got[0, 0], want), (got[0, 0] - want).abs().max()
 
 
 def test_int_params_and_host_folds_follow_python():

@@ -34,7 +34,8 @@ How transformers' arguments map onto `fused_attn.dot_product_attention`:
 * Packed batches (`DataCollatorWithFlattening`): `cu_seq_lens_q/k` + `max_length_q/k` kwargs (no
   host sync), else the packing transformers detects in `position_ids` (when no cache is used:
   pass use_cache=False, as for eager and sdpa), which the mask function returns as int32
-  segment ids (B, S) (0 = padding).
+  segment ids (B, S) (0 = padding). transformers >= 5.24 evaluates such a row's pattern at
+  per-sequence positions; for causal / bidirectional / window patterns that is the same mask.
 * A prepared 4-D mask (bool, or additive 0 / large negative) is reduced to lengths when it is
   exactly causal/window + contiguous padding; anything else raises NotImplementedError.
 
@@ -127,10 +128,20 @@ def parse_mask_function(mask_function: Callable) -> MaskPattern:
     """The MaskPattern of a masking_utils mask function; NotImplementedError for any other pattern."""
     leaves: list = []
     stack = [mask_function]
+    remapped = False
     while stack:
         fn = stack.pop()
-        if getattr(fn, "__module__", None) == _MU and getattr(fn, "__qualname__", "") == "and_masks.<locals>.and_mask":
+        qual = getattr(fn, "__qualname__", "") if getattr(fn, "__module__", None) == _MU else None
+        if qual == "and_masks.<locals>.and_mask":
             stack.extend(_cell(fn, "mask_functions"))
+        elif qual == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+            # transformers >= 5.24 evaluates the pattern at per-sequence positions of packed rows. Within
+            # one packed sequence positions rise by exactly 1 (that is how transformers finds the
+            # sequences), so q - kv is unchanged, and every pattern accepted here depends on q - kv only
+            # (causal, bidirectional, windows): the remap changes nothing inside a sequence, and the
+            # packed-sequence mask (required below) removes every pair across sequences.
+            remapped = True
+            stack.append(_cell(fn, "mask_function"))
         else:
             leaves.append(fn)
     base, window, packed = None, None, None
@@ -156,6 +167,9 @@ def parse_mask_function(mask_function: Callable) -> MaskPattern:
     if base is None:
         raise _refused("a mask function without a causal or bidirectional base is not supported; use "
                        "attn_implementation='sdpa' or 'eager'")
+    if remapped and packed is None:
+        raise _refused("positions remapped per packed sequence without the packed-sequence mask are not supported; "
+                       "use attn_implementation='sdpa' or 'eager'")
     return MaskPattern(base, window, packed)
 
 
