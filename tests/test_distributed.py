@@ -429,8 +429,8 @@ def _spec_of(mod):
 
 
 def test_thd_context_parallelism_is_refused_on_cudnn(one_rank_group):
-    """Measured wrong on 2x H200 (cuDNN 9.19): thd under context parallelism with cuDNN is refused
-    before any communication; the reference backend keeps serving it (the multi-process tests)."""
+    """Not yet verified on two GPUs: thd under context parallelism with cuDNN is refused before any
+    communication; the reference backend keeps serving it (the multi-process tests)."""
     import fused_attn.distributed as fd
 
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)

@@ -23,12 +23,13 @@ Supported: attn_mask_type "no_mask" / "causal" ("causal_bottom_right" when Sq ==
 softmax_scale, deterministic, every backend; score_mods that do not read positions (softcap, ...)
 on every backend; position-dependent score_mods (causal / ALiBi / a bias as score_mods) on the
 reference backend (backend="reference"). Refused with NotImplementedError: windows, sinks,
-dropout, padding masks, padded thd offsets, position-dependent score_mods on cuDNN.
+dropout, padding masks, padded thd offsets, position-dependent score_mods on cuDNN, and thd on
+cuDNN until its two-GPU comparison has passed (`thd_cudnn_refusal`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,18 @@ _PASS = ("qkv_format", "softmax_scale", "score_mod", "score_mod_tensors", "score
 #: arguments context parallelism refuses unless they have these values
 _REFUSED = (("sinks", None), ("softmax_type", "vanilla"), ("dropout_p", 0.0), ("cu_seqlens_q_padded", None),
             ("cu_seqlens_kv_padded", None))
+
+
+def thd_cudnn_refusal() -> Optional[str]:
+    """Why packed (thd) batches under context parallelism do not run on cuDNN (None once they do).
+
+    Every block call they make is a configuration the single-GPU suite checks on cuDNN, and a
+    one-GPU emulation of the ring and all-gather forwards matched float64; the two-GPU comparison
+    that looked wrong drew different inputs on each rank (its seed hashed a CUDA tensor's repr,
+    which names the rank's device), so it proved nothing either way. Until that comparison has
+    run correctly on two GPUs, cuDNN refuses these calls."""
+    return ("context parallelism of packed (thd) batches on cuDNN is not yet verified across GPUs: pass "
+            "backend='reference', or pad the batch and shard it as bshd")
 
 
 def _check_choice(arg: str, value: Any, choices: tuple) -> None:
@@ -107,11 +120,9 @@ def cp_config(query: torch.Tensor, key: torch.Tensor, group: Any, cp_comm: str, 
     varlen = {k: kwargs.pop(k, None) for k in ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")}
     if fmt == "thd":
         backend = kwargs.get("backend", "auto")
-        if backend == "cudnn" or (backend == "auto" and query.is_cuda):
-            raise NotImplementedError(
-                "context parallelism of packed (thd) batches on cuDNN gave wrong outputs on 2x H200 (cuDNN 9.19, "
-                "ring and all-gather, measured twice; dense layouts are correct, and the same block calls on one GPU "
-                "are exact): pass backend='reference', or pad the batch and shard it as bshd")
+        why = thd_cudnn_refusal()
+        if why is not None and (backend == "cudnn" or (backend == "auto" and query.is_cuda)):
+            raise NotImplementedError(why)
         lay = _thd_layout(query, key, varlen, layout, n, rank)
         sq, skv = lay.max["q"], lay.max["kv"]
     else:
