@@ -591,6 +591,18 @@ def test_block_mask_and_position_bias_are_refused():
         fa_hf.attention_forward(_Module(), q, k, v, None, position_bias=torch.zeros(1, 4, 10, 10))
 
 
+@pytest.mark.parametrize("name", sorted(fa_hf.UNSUPPORTED_KWARGS))
+def test_keywords_that_change_the_math_are_refused(name):
+    """transformers models pass these through **kwargs (sparse-attention indices, per-token sinks,
+    ...): ignored, they would give plain attention silently. None means absent."""
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=name):
+        fa_hf.attention_forward(_Module(), q, k, v, None, **{name: torch.zeros(2, 4, 10, 1)})
+    out, _ = fa_hf.attention_forward(_Module(), q, k, v, None, **{name: None})
+    want, _ = fa_hf.attention_forward(_Module(), q, k, v, None)
+    assert torch.equal(out, want)
+
+
 def test_padding_mask_with_cu_seq_lens_is_refused():
     q, k, v = _qkv(b=1)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)

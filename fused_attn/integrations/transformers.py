@@ -41,7 +41,8 @@ How transformers' arguments map onto `fused_attn.dot_product_attention`:
 
 Refused with NotImplementedError naming the case (never silently different): `or_mask_function`
 / custom and chunked / block-wise mask patterns, 4-D masks with biases or irregular patterns,
-flex BlockMasks, `position_bias`, padding with holes inside a row, a non-causal sliding window
+flex BlockMasks, the keywords in `UNSUPPORTED_KWARGS` (`position_bias`, sparse-attention
+`indices` / `block_indices`, per-token `sinks`, `head_mask`), padding with holes inside a row, a non-causal sliding window
 with a KV cache, packed position_ids with a padding mask or a cache. Padded batches cost one
 host read per forward (per mask tensor, shared by the layers); dense and `cu_seq_lens_*` calls
 cost none. torch.compile works with graph breaks at the mask handling (fullgraph=True does not:
@@ -60,7 +61,7 @@ from ..functional import dot_product_attention
 from ..memo import BoundedMemo
 
 __all__ = ["NAME", "register", "unregister", "make_attention_forward", "attention_forward", "attention_mask_function",
-           "MaskPattern", "parse_mask_function"]
+           "MaskPattern", "parse_mask_function", "UNSUPPORTED_KWARGS"]
 
 #: The attn_implementation name `register()` uses by default.
 NAME = "fused_attn"
@@ -256,11 +257,23 @@ def _window(sliding_window: Any, causal: bool, max_q: int, max_kv: int) -> Optio
     return None if max(max_q, max_kv) - 1 <= left else (left, left)
 
 
+#: Attention-function keywords that change the result and that fused_attn does not implement:
+#: a call giving one of them (not None) is refused instead of computing plain attention.
+UNSUPPORTED_KWARGS = {
+    "position_bias": "position_bias (T5-style relative attention bias)",
+    "indices": "indices (sparse attention: each query's selected keys, e.g. DeepSeek V3.2's indexer)",
+    "block_indices": "block_indices (block-sparse key selection)",
+    "sinks": "sinks (per-token sink logits; per-head sinks, passed as s_aux, are supported)",
+    "head_mask": "head_mask (per-head scaling of the attention probabilities)",
+}
+
+
 def _attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, s_aux, backend,
                deterministic, kwargs) -> torch.Tensor:
-    if kwargs.get("position_bias") is not None:
-        raise _refused("position_bias (T5-style relative attention bias) is not supported; use "
-                       "attn_implementation='sdpa' or 'eager'")
+    for name, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise _refused(f"{what} is not supported; use attn_implementation='eager' (or another implementation "
+                           "that supports it)")
     if kwargs.get("output_attentions", False):
         _warn_once("fused_attn does not return attention weights (output_attentions=True gives None); use "
                    "attn_implementation='eager' to get them")
