@@ -3,7 +3,7 @@
 from .functional import dot_product_attention, explain
 from .module import DotProductAttention
 from .plan import Explanation, FallbackWarning
-from .varlen import AuxRequest, doc_packed_attn, varlen_attn
+from .varlen import AuxRequest, doc_packed_attn, varlen_attn, varlen_attn_out
 from . import graph_cache
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "Explanation",
     "FallbackWarning",
     "varlen_attn",
+    "varlen_attn_out",
     "AuxRequest",
     "doc_packed_attn",
     "graph_cache",

@@ -39,7 +39,7 @@ from .problem import Band
 from .spec import AttentionSpec, resolve_spec
 from .validation import check_window
 
-__all__ = ["AuxRequest", "varlen_attn", "doc_packed_attn"]
+__all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out", "doc_packed_attn"]
 
 
 class AuxRequest(NamedTuple):
@@ -178,6 +178,53 @@ def varlen_attn(
     varlen = Varlen(cu_seq_q, cu_seq_k, None, None, max_q, max_k)
     config = (left, right, cu_seq_q is cu_seq_k, scale, want_lse)
     return run_call(_resolve, config, score_mod, query, key, value, varlen)
+
+
+def varlen_attn_out(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: Optional[torch.Tensor],
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: Optional[AuxRequest] = None,
+    scale: Optional[float] = None,
+    window_size: Tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    score_mod: object = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    num_splits: Optional[int] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """`varlen_attn` writing its result into `out`; drop-in for torch's ``varlen_attn_out``.
+
+    out: (T_q, H_q, D_v) in the query's dtype and on its device; every other argument as in
+    `varlen_attn`. Returns `out` (or (out, lse)). Like torch's, it records no backward: with
+    gradients required it raises (use `varlen_attn` for training, or call it under
+    ``torch.no_grad()``). The attention is computed first and then copied into `out` (one write
+    of the output more than `varlen_attn`), so `out` may alias the inputs.
+    """
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    _check_heads(query, key, value, enable_gqa)
+    want = (query.shape[0], query.shape[1], value.shape[2])
+    if tuple(out.shape) != want or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out must be a {want} {query.dtype} tensor on {query.device} (T_q, H_q, D_v), got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise NotImplementedError("varlen_attn_out writes into out and records no backward; use varlen_attn to train, "
+                                  "or call varlen_attn_out under torch.no_grad()")
+    got = varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale,
+                      window_size=window_size, enable_gqa=enable_gqa, score_mod=score_mod, seqused_k=seqused_k,
+                      block_table=block_table, num_splits=num_splits)
+    if isinstance(got, tuple):
+        out.copy_(got[0])
+        return out, got[1]
+    out.copy_(got)
+    return out
 
 
 def _resolve(config: tuple, score_mod: object) -> Tuple[AttentionSpec, object]:

@@ -240,3 +240,41 @@ def test_shape_and_max_errors():
         varlen_attn(q, k, v, cu_q, None, 6, 6, enable_gqa=True)
     with pytest.raises(TypeError, match="cu_seq_q must be an"):
         varlen_attn(q, k, v, [0, 4, 10], cu_k, 6, 6, enable_gqa=True)
+
+
+# ----------------------------------------------------------------------------- varlen_attn_out
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 1)])
+def test_varlen_attn_out_writes_the_result_into_out(window):
+    lens = ([3, 9, 4], [8, 2, 4])
+    q, k, v, cu_q, cu_k = make(*lens, dv=8)
+    out = torch.full((q.shape[0], q.shape[1], 8), float("nan"))  # every element must be written
+    got, lse = fused_attn.varlen_attn_out(out, q, k, v, cu_q, cu_k, 9, 8, window_size=window,
+                                          return_aux=AuxRequest(lse=True))
+    assert got is out
+    ref_o, ref_l = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=window)
+    tol_o, tol_l = tol_vs_f64(q, k, v, cu_q, cu_k, window=window)
+    close(out, ref_o, tol_o)
+    close(lse, ref_l, tol_l)
+    assert fused_attn.varlen_attn_out(out, q, k, v, cu_q, cu_k, 9, 8, window_size=window) is out
+
+
+def test_varlen_attn_out_may_alias_the_query():
+    q, k, v, cu_q, cu_k = make([5, 7], [5, 7])
+    want = varlen_attn(q, k, v, cu_q, cu_k, 7, 7, window_size=(-1, 0))
+    got = fused_attn.varlen_attn_out(q, q, k, v, cu_q, cu_k, 7, 7, window_size=(-1, 0))
+    assert got is q and torch.equal(q, want)
+
+
+def test_varlen_attn_out_errors():
+    q, k, v, cu_q, cu_k = make([4, 6], [4, 6])
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        fused_attn.varlen_attn_out(None, q, k, v, cu_q, cu_k, 6, 6)
+    for bad in (torch.empty(10, 4, 8), torch.empty(10, 4, 16, dtype=torch.float64)):
+        with pytest.raises(ValueError, match=r"out must be a \(10, 4, 16\) torch.float32 tensor"):
+            fused_attn.varlen_attn_out(bad, q, k, v, cu_q, cu_k, 6, 6)
+    qg = q.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="records no backward"):
+        fused_attn.varlen_attn_out(torch.empty_like(q), qg, k, v, cu_q, cu_k, 6, 6)
+    with torch.no_grad():
+        fused_attn.varlen_attn_out(torch.empty_like(q), qg, k, v, cu_q, cu_k, 6, 6)
