@@ -18,6 +18,7 @@ host ints).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections import OrderedDict
@@ -312,6 +313,11 @@ def _backends():
 
 def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
                sinks: Optional[torch.Tensor], force_grad: bool = False) -> CallPlan:
+    if mod is not None and spec.score_mod is not mod and getattr(mod, "cache_key", None) == spec.score_mod_key:
+        # A runner takes its graphs' operand shapes from spec.score_mod: make that this call's mod.
+        # (Eager specs hold the call's mod already; under torch.compile the spec holds the
+        # registry's template, whose tensor parameters are stand-ins of another shape.)
+        spec = dataclasses.replace(spec, score_mod=mod)
     problem = _static_problem(spec, mod, q, k, v, varlen, sinks, force_grad)
     backend, reason, runner = _backends().choose(problem)
     if backend == "reference" and problem.device.type == "cuda" and spec.backend == "auto":

@@ -413,3 +413,27 @@ def test_a_training_call_leaves_no_reference_cycle(stub, case):
     call = calls[case]
     assert _cycles_left_by(call) == 0  # the forward alone (output dropped unused)
     assert _cycles_left_by(lambda: call().float().sum().backward()) == 0
+
+
+def test_compiled_calls_build_their_graphs_for_their_own_tensor_shapes(stub):
+    """Under torch.compile the spec registry keeps one template per structure; a later compiled
+    call with a differently shaped tensor parameter (another sequence length, a per-batch bias)
+    must get a cuDNN graph for *its* shapes, not the first call's."""
+    import fused_attn
+    from fused_attn.plan import PLANS
+
+    torch._dynamo.reset()
+    PLANS.clear()
+    graphs = []
+    for s, bb in ((128, 1), (256, 1), (128, 2)):
+        q, k, v = (bf16(2, s, 2, 64) for _ in range(3))
+        mod = sm.post_scale_bias(torch.randn(bb, 2, s, s))
+
+        def f(a, b, c, mod=mod):
+            return fused_attn.dot_product_attention(a, b, c, backend="cudnn", score_mod=mod)
+
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+        assert out.shape == q.shape
+        keys = [p.runner.graphs.keys["fwd"] for p in list(PLANS._entries.values())]
+        graphs.append(keys[-1].bias[0])
+    assert graphs == [(1, 2, 128, 128), (1, 2, 256, 256), (2, 2, 128, 128)]
