@@ -124,8 +124,7 @@ def run_call(resolver: Any, config: tuple, score_mod: Any, query: Any, key: Any,
     if torch.compiler.is_compiling():
         from . import ops
 
-        key_ = ops.compiled_key(resolver, config, score_mod, query.device.type, query.dtype, query.shape[-1],
-                                value.shape[-1])
+        key_ = ops.call_key(resolver, config, score_mod, query, value)
         out, lse = ops.attention_by_key(key_, score_mod, query, key, value, _compiled_varlen(varlen), sinks)
         return out if lse is None else (out, lse)
     spec, mod = resolver(config, score_mod)

@@ -295,12 +295,26 @@ def op_keys_for(spec: AttentionSpec) -> dict:
 
 
 @torch.compiler.assume_constant_result
-def compiled_key(resolver: Any, args: tuple, score_mod: Any, device_type: str, dtype: torch.dtype, head_dim: int,
-                 head_dim_v: int) -> str:
+def compiled_key(resolver: Any, args: tuple, score_mod: Any, mod_facts: Optional[tuple], device_type: str,
+                 dtype: torch.dtype, head_dim: int, head_dim_v: int) -> str:
     """Run an entry point's spec resolution at trace time (eagerly) and register the result:
-    `resolver(args, score_mod) -> (spec, mod)`; returns the spec key (a constant of the graph)."""
+    `resolver(args, score_mod) -> (spec, mod)`; returns the spec key (a constant of the graph).
+    A traced mod arrives as its `compile_structure()` (origin, mod_facts) and resolves as the
+    origin's meta-tensor stand-in; any other score_mod (mod_facts None) as itself."""
+    if mod_facts is not None:
+        score_mod = score_mod.stand_in(score_mod, mod_facts)
     spec, _mod = resolver(args, score_mod)
     return _register(traced_spec(spec, device_type, dtype, head_dim, head_dim_v))
+
+
+def call_key(resolver: Any, args: tuple, score_mod: Any, query: torch.Tensor, value: torch.Tensor) -> str:
+    """`compiled_key` of an entry point's call: a traced mod crosses as its `compile_structure()`
+    (a mod bound inside a compiled function is only tracked by torch.compile, not yet a complete
+    Python object); anything else as itself."""
+    structure = getattr(score_mod, "compile_structure", None)
+    mod_arg, facts = (score_mod, None) if structure is None else structure()
+    return compiled_key(resolver, args, mod_arg, facts, query.device.type, query.dtype, query.shape[-1],
+                        value.shape[-1])
 
 
 @torch.compiler.assume_constant_result

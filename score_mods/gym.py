@@ -71,6 +71,7 @@ import torch
 import score_mods as sm
 
 from .base import ScoreMod
+from .templates import template
 
 NEG_INF = -math.inf
 Predicate = Callable[[Any, Any, Any, Any], Any]
@@ -1007,6 +1008,14 @@ def relative_position_bias(table: torch.Tensor, max_distance: int = 128, bidirec
     if exact < 1 or md <= exact:
         raise ValueError(f"{fn}: needs at least {4 if bidirectional else 2} buckets and max_distance > {exact}, "
                          f"got {table.shape[1]} buckets and max_distance {md}")
+    # the structure is made once per (buckets, max_distance, direction): a model may build this
+    # mod from its table in every forward, also under torch.compile(fullgraph=True)
+    return template(_relative_position_structure, table.shape[1], md, bidirectional).bind(table=table)
+
+
+def _relative_position_structure(buckets: int, md: int, bidirectional: bool) -> ScoreMod:
+    n = buckets // 2 if bidirectional else buckets
+    exact = n // 2
     log_scale = (n - exact) / math.log(md / exact)
 
     def relative_position_bias(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
@@ -1019,5 +1028,5 @@ def relative_position_bias(table: torch.Tensor, max_distance: int = 128, bidirec
         bucket = first + sm.where(dist < exact, dist, sm.minimum(far, n - 1))
         return score + table[h, bucket]
 
-    name = f"relative_position_bias_{table.shape[1]}_{md}{'' if bidirectional else '_causal'}"
-    return _mod(name, relative_position_bias, table=table)
+    name = f"relative_position_bias_{buckets}_{md}{'' if bidirectional else '_causal'}"
+    return _mod(name, relative_position_bias)

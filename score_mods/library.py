@@ -27,6 +27,7 @@ import torch
 from . import expr
 from .base import ScoreMod
 from .expr import Node, TensorParam, kv_len, q_len, tanh, where
+from .templates import template
 from .trace import TracedMod, _fmt, mask_mod, mask_root, score_mod
 
 _NEG_INF = -math.inf
@@ -90,14 +91,18 @@ def _as_band(mod: TracedMod, left: Any, right: Any, bottom_right: bool) -> Trace
     return mod
 
 
+_as_band(_causal, None, 0, False)
+_as_band(_causal_br, None, 0, True)
+
+
 def causal() -> TracedMod:
     """Top-left causal mask: query i attends keys j <= i."""
-    return _as_band(_causal, None, 0, False)
+    return _causal
 
 
 def causal_bottom_right() -> TracedMod:
     """Bottom-right causal mask: j <= i + kv_len - q_len (the last query sees every key)."""
-    return _as_band(_causal_br, None, 0, True)
+    return _causal_br
 
 
 def band_of(root: Any) -> Optional[Tuple[Optional[int], int, bool]]:
@@ -166,6 +171,13 @@ def sliding_window(left: int, right: int, bottom_right: bool = False) -> TracedM
     left, right = _window_size("left", left), _window_size("right", right)
     if not isinstance(bottom_right, bool):
         raise TypeError(f"sliding_window: bottom_right must be a bool, got {bottom_right!r}")
+    structure = template(_window_structure, left != -1, right != -1, bottom_right)
+    mod = structure(left=float(max(left, 0)), right=float(max(right, 0)))
+    return _as_band(mod, None if left == -1 else left, None if right == -1 else right, bottom_right)
+
+
+def _window_structure(left_bounded: bool, right_bounded: bool, bottom_right: bool) -> TracedMod:
+    """The sliding window's DAG for which sides are bounded (left / right are runtime scalars)."""
 
     def body(score, b, h, q_idx, kv_idx, left=0.0, right=0.0):
         d = kv_idx - q_idx
@@ -178,15 +190,13 @@ def sliding_window(left: int, right: int, bottom_right: bool = False) -> TracedM
             out = where(d >= -left, out, _NEG_INF)
         return out
 
-    left_bounded, right_bounded = left != -1, right != -1
     body.__name__ = "sliding_window"
     check = _non_negative("sliding_window")
     mod = _with_checks(score_mod(body), left=check, right=check)
     suffix = "_bottom_right" if bottom_right else ""
     mod._name_fn = lambda v: (f"sliding_window_{_fmt(v['left']) if left_bounded else -1}_"
                               f"{_fmt(v['right']) if right_bounded else -1}{suffix}")
-    mod = mod(left=float(max(left, 0)), right=float(max(right, 0)))
-    return _as_band(mod, None if left == -1 else left, None if right == -1 else right, bottom_right)
+    return mod
 
 
 def _check_tensor(fn: str, name: str, t: Any, ranks: tuple, floating: bool) -> torch.Tensor:
@@ -274,12 +284,30 @@ def _prefix_dag(root: Node, prefix: str, score: Optional[Node]) -> Node:
     return done[root]
 
 
-def _merge_params(mods, specs: dict, values: dict) -> None:
-    for i, m in enumerate(mods):
-        prefix = f"m{i}_"
-        for p, s in m.specs.items():
-            specs[prefix + p] = s.renamed(prefix + p)
-            values[prefix + p] = m._values.get(p)
+def _merged_values(mods) -> Dict[str, Any]:
+    """The parts' bound values under their fused names "m<i>_<name>"."""
+    return {f"m{i}_{p}": m._values.get(p) for i, m in enumerate(mods) for p in m.specs}
+
+
+def _fuse_structure(op: str, *origins: TracedMod) -> TracedMod:
+    """The fused structure of parts (op "compose", "and" or "or"), their defaults bound."""
+    if op == "compose":
+        root = Node("score")
+        for i, m in enumerate(origins):
+            root = _prefix_dag(m.root, f"m{i}_", root)
+    else:
+        cond = None
+        for i, m in enumerate(origins):
+            c = _prefix_dag(m.mask_condition(), f"m{i}_", None)
+            cond = c if cond is None else Node(op, (cond, c), dtype="b")
+        root = mask_root(cond)
+    specs = {f"m{i}_{p}": s.renamed(f"m{i}_{p}") for i, m in enumerate(origins) for p, s in m.specs.items()}
+    return TracedMod(op, root, specs, _merged_values(origins))
+
+
+def _fuse(op: str, name: str, mods: tuple) -> TracedMod:
+    """The parts fused: their origins' structure (made once, see templates) with their values."""
+    return template(_fuse_structure, op, *(m._origin for m in mods))._copy(_merged_values(mods), name=name)
 
 
 def compose(*mods: ScoreMod) -> ScoreMod:
@@ -300,11 +328,7 @@ def compose(*mods: ScoreMod) -> ScoreMod:
         from .raw import ChainMod
 
         return ChainMod(name, mods)
-    root, specs, values = Node("score"), {}, {}
-    for i, m in enumerate(mods):
-        root = _prefix_dag(m.root, f"m{i}_", root)
-    _merge_params(mods, specs, values)
-    return TracedMod(name, root, specs, values)
+    return _fuse("compose", name, mods)
 
 
 def _as_mask(fn: str, i: int, m: Any) -> TracedMod:
@@ -323,13 +347,7 @@ def _combine_masks(fn: str, op: str, mods: tuple) -> TracedMod:
     masks = [_as_mask(fn, i, m) for i, m in enumerate(mods)]
     if len(masks) == 1:
         return masks[0]
-    cond = None
-    for i, m in enumerate(masks):
-        c = _prefix_dag(m.mask_condition(), f"m{i}_", None)
-        cond = c if cond is None else Node(op, (cond, c), dtype="b")
-    specs, values = {}, {}
-    _merge_params(masks, specs, values)
-    return TracedMod(f"{fn}({', '.join(m.name for m in masks)})", mask_root(cond), specs, values)
+    return _fuse(op, f"{fn}({', '.join(m.name for m in masks)})", tuple(masks))
 
 
 def and_masks(*masks: Any) -> TracedMod:

@@ -211,6 +211,14 @@ def _fmt(v: Any) -> str:
 
 # --------------------------------------------------------------------------- the traced ScoreMod
 
+def _gather_ranks(root: Node) -> Dict[str, Tuple[int, ...]]:
+    """{tensor parameter: the index counts it is gathered with} (each must equal its rank)."""
+    out: Dict[str, Tuple[int, ...]] = {}
+    for name, k in expr.reads(root).gathers:
+        out[name] = out.get(name, ()) + (k,)
+    return out
+
+
 class TracedMod(ScoreMod):
     """A score_mod traced into a DAG; immutable (binding returns a new object).
 
@@ -221,16 +229,25 @@ class TracedMod(ScoreMod):
     """
 
     def __init__(self, name: str, root: Node, specs: Dict[str, ParamSpec], values: Dict[str, Any],
-                 name_fn: Optional[Callable[[Dict[str, Any]], str]] = None):
+                 name_fn: Optional[Callable[[Dict[str, Any]], str]] = None, origin: Optional["TracedMod"] = None):
         self._name, self._name_fn = name, name_fn
         self.root, self.specs, self._values = root, dict(specs), dict(values)
         self._operands: Optional[Dict[str, torch.Tensor]] = None
+        if origin is None:
+            # Structural facts the backends ask on every call, computed once here, in eager code
+            # (torch.compile cannot trace the DAG walks behind them).
+            self._origin = self
+            self._gather_ranks = _gather_ranks(root)
+            self.uses_lengths, self.needs_host_lengths  # noqa: B018
+        else:
+            # A copy with other values (bind): the structure, and every fact derived from it, is
+            # the origin's, so making one walks no DAG (torch.compile traces binds inside a model)
+            self._origin = origin
+            self._gather_ranks = origin._gather_ranks
+            self._uses_lengths, self._needs_host_lengths = origin.uses_lengths, origin.needs_host_lengths
         for p, v in self._values.items():
             if isinstance(v, torch.Tensor):
                 self._check_rank(p, v)
-        # Structural facts the backends ask on every call, computed once here, in eager code
-        # (torch.compile cannot trace the DAG walks behind them).
-        self.uses_lengths, self.needs_host_lengths  # noqa: B018
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -244,7 +261,29 @@ class TracedMod(ScoreMod):
 
     def _copy(self, values: Dict[str, Any], name: Optional[str] = None) -> "TracedMod":
         return TracedMod(self._name if name is None else name, self.root, self.specs, values,
-                         self._name_fn if name is None else None)
+                         self._name_fn if name is None else None, origin=self._origin)
+
+    def compile_structure(self) -> Tuple["TracedMod", tuple]:
+        """(origin, facts): what a compiled graph's spec depends on, as arguments torch.compile can
+        hand to eager code: the eagerly made mod this one was bound from, and constants: each bound
+        tensor parameter's (name, dtype, rank) (shapes may be symbolic under torch.compile and
+        enter no spec: a call plan takes them from its own call) and the native band. It serves
+        mods bound inside a compiled function (softcap(c), alibi(slopes), post_scale_bias(bias),
+        mod.bind(...)), objects torch.compile only tracks. `stand_in` turns it back into a mod."""
+        tensors = tuple((p, v.dtype, v.dim()) for p, v in self._values.items() if isinstance(v, torch.Tensor))
+        return self._origin, (tensors, getattr(self, "native_band", None))
+
+    @staticmethod
+    def stand_in(origin: "TracedMod", facts: tuple) -> "TracedMod":
+        """`origin` bound to meta tensors of the recorded dtypes and ranks, with the recorded native
+        band: the cache_key and spec of the mod `compile_structure` described (values and shapes
+        enter neither), and no data."""
+        tensors, band = facts
+        metas = {p: torch.empty((1,) * rank, dtype=dtype, device="meta") for p, dtype, rank in tensors}
+        mod = origin._copy({**origin._values, **metas})
+        if band is not None:
+            mod.native_band = band
+        return mod
 
     # binding -----------------------------------------------------------------
     def private_copy(self) -> "TracedMod":
@@ -272,7 +311,7 @@ class TracedMod(ScoreMod):
         return True
 
     def _check_rank(self, p: str, t: torch.Tensor) -> None:
-        if all(k == t.dim() for name, k in expr.reads(self.root).gathers if name == p):
+        if all(k == t.dim() for k in self._gather_ranks.get(p, ())):
             return
         for n in expr.topo_order(self.root):
             if n.op == "gather" and n.attr == p and len(n.args) != t.dim():

@@ -8,6 +8,7 @@ from torch._dynamo.testing import CompileCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_attn
+import score_mods as sm
 from fused_attn import DotProductAttention, ops
 from fused_attn.plan import NO_VARLEN, Varlen
 from fused_attn.spec import resolve_spec
@@ -273,3 +274,122 @@ def test_varlen_and_doc_packed_compile_fullgraph():
     got = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
     for a, b in zip(got, f(q, k, v)):
         torch.testing.assert_close(a, b)
+
+
+# ----------------------------------------------------------------------------- mods built in the compiled function
+
+_H, _S = 4, 8
+_TABLE = torch.randn(_H, 16)
+_BIAS = torch.randn(1, _H, _S, _S)
+_BUILT_INSIDE = {
+    "softcap": lambda t: sm.softcap(20.0),
+    "bind": lambda t: sm.softcap(20.0).bind(cap=7.0),
+    "alibi": lambda t: sm.alibi(t["slopes"]),
+    "trained_bias": lambda t: sm.post_scale_bias(t["bias"]),
+    "trained_t5_table": lambda t: sm.gym.relative_position_bias(t["table"], max_distance=8),
+    "compose": lambda t: sm.compose(sm.softcap(20.0), sm.post_scale_bias(t["bias"]), sm.causal()),
+    "sliding_window": lambda t: sm.sliding_window(3, 0),
+    "and_masks": lambda t: sm.and_masks(sm.causal(), sm.sliding_window(4, -1)),
+}
+
+
+@pytest.mark.parametrize("name", list(_BUILT_INSIDE))
+def test_score_mods_built_inside_a_fullgraph_compiled_function(name):
+    """A model may build its score_mod in forward (softcap(self.cap), post_scale_bias(self.bias),
+    a T5 table, compose(...)): under torch.compile(fullgraph=True) that used to crash inside the
+    compiler (the spec was resolved from an object the compiler only tracked). Outputs and every
+    gradient (tables included) equal eager; an in-place change of a table recompiles nothing."""
+    params = {"bias": _BIAS.clone().requires_grad_(), "table": _TABLE.clone().requires_grad_(),
+              "slopes": sm.alibi_slopes(_H)}
+    make = _BUILT_INSIDE[name]
+
+    def f(q, k, v):
+        return fused_attn.dot_product_attention(q, k, v, score_mod=make(params), backend="reference")
+
+    q, k, v = (torch.randn(2, _S, _H, 16, requires_grad=True) for _ in range(3))
+    leaves = (q, k, v, params["bias"], params["table"])
+
+    def run(fn):
+        for t in leaves:
+            t.grad = None
+        out = fn(q, k, v)
+        out.square().sum().backward()
+        return out.detach(), [None if t.grad is None else t.grad.clone() for t in leaves]
+
+    counter = CompileCounter()
+    compiled = torch.compile(f, backend=counter, fullgraph=True)
+    for _ in range(2):
+        want, want_grads = run(f)
+        got, got_grads = run(compiled)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(got_grads, want_grads):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b)
+        with torch.no_grad():  # new values, same structure
+            params["bias"].mul_(0.5)
+            params["table"].add_(0.25)
+    assert counter.frame_count == 1
+
+
+def test_structured_factories_make_their_structure_once():
+    assert sm.sliding_window(3, 0).root is sm.sliding_window(7, 0).root
+    assert sm.sliding_window(3, 0).root is not sm.sliding_window(3, -1).root
+    assert sm.sliding_window(3, 0).name == "sliding_window_3_0" and sm.sliding_window(7, 0).name == "sliding_window_7_0"
+    a = sm.compose(sm.softcap(20.0), sm.causal())
+    b = sm.compose(sm.softcap(5.0), sm.causal())
+    assert a.root is b.root and a.cache_key == b.cache_key and a.scalars() != b.scalars()
+    assert sm.compose(sm.causal(), sm.softcap(5.0)).root is not a.root
+    t = torch.randn(4, 16)
+    assert sm.gym.relative_position_bias(t, 8).root is sm.gym.relative_position_bias(t * 2, 8).root
+
+
+def test_structure_registry_is_bounded_and_rebuilds_what_it_dropped(monkeypatch):
+    from score_mods import templates
+
+    monkeypatch.setattr(templates, "_MAX", 2)
+    first = sm.sliding_window(3, 0).root
+    sm.sliding_window(3, -1)
+    sm.sliding_window(-1, 3, bottom_right=True)  # the first structure is dropped
+    assert len(templates._TEMPLATES) <= 2
+    again = sm.sliding_window(5, 0)
+    assert again.root is not first and again.cache_key == sm.sliding_window(3, 0).cache_key
+    torch.testing.assert_close(again.eager(torch.zeros(1, 1, 6, 6), *_grid(6), 6, 6),
+                               sm.sliding_window(5, 0).eager(torch.zeros(1, 1, 6, 6), *_grid(6), 6, 6))
+
+
+def _grid(s):
+    z = torch.zeros(1, 1, 1, 1, dtype=torch.int64)
+    return z, z, torch.arange(s).view(1, 1, -1, 1), torch.arange(s).view(1, 1, 1, -1)
+
+
+def test_a_native_band_survives_into_the_compiled_spec():
+    """The cuDNN lowering runs a pure library mask as its own band (`native_band`); the spec a
+    compiled call registers must keep it, for mods passed in and built inside alike."""
+    outside = sm.sliding_window(3, 0)
+    q, k, v = (torch.randn(2, 8, 4, 16) for _ in range(3))
+    for make in (lambda: outside, lambda: sm.sliding_window(3, 0)):
+        torch._dynamo.reset()
+        f = lambda a, b, c: fused_attn.dot_product_attention(a, b, c, score_mod=make(), backend="reference")  # noqa: E731
+        torch.testing.assert_close(torch.compile(f, backend="eager", fullgraph=True)(q, k, v), f(q, k, v))
+        spec = ops.lookup_spec(next(reversed(ops._REGISTRY)))
+        assert spec.score_mod.native_band == (3, 0, False)
+
+
+@pytest.mark.parametrize("layout", ["dense", "expanded"])
+def test_a_traced_mods_compiled_spec_is_the_one_the_mod_itself_gives(layout):
+    """Under torch.compile a traced mod reaches the spec resolution as (origin, dtypes, ranks,
+    native band): the registered spec must be exactly the one the complete mod gives (its
+    template holds meta stand-ins; a call plan takes shapes from its own call's tensors, see
+    test_cudnn_runners_cpu)."""
+    from fused_attn.functional import _resolve_call
+
+    t = torch.randn(1, _H, _S, _S) if layout == "dense" else torch.randn(1, 1, _S, _S).expand(2, _H, _S, _S)
+    mod = sm.compose(sm.softcap(20.0), sm.post_scale_bias(t))
+    config = ("bshd", "causal", None, None, None, None, None, False, "cudnn", False, "vanilla", 0.0)
+    direct = ops.compiled_key(_resolve_call, config, mod, None, "cuda", torch.bfloat16, 16, 16)
+    structured = ops.compiled_key(_resolve_call, config, *mod.compile_structure(), "cuda", torch.bfloat16, 16, 16)
+    # the same spec (the digest of its repr: tensor shapes included); the label is the origin's name
+    assert structured.rsplit(":", 1)[1] == direct.rsplit(":", 1)[1]
+    template = ops.lookup_spec(structured).score_mod.tensors()["m1_bias"]
+    assert template.device.type == "meta" and template.dtype == t.dtype and template.dim() == t.dim()

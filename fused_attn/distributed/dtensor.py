@@ -232,8 +232,7 @@ def dtensor_call(resolver: Any, config: tuple, score_mod: Any, query: DTensor, k
     """The DTensor twin of `functional.run_call` (eager and under torch.compile): the hook the
     core entry points can call when they receive DTensors."""
     _check_meshes(query, key, value)
-    op_key = _ops.compiled_key(resolver, config, score_mod, query.device.type, query.dtype, query.shape[-1],
-                               value.shape[-1])
+    op_key = _ops.call_key(resolver, config, score_mod, query, value)
     kinds = _checked_kinds(op_key, tuple(tuple(t.placements) for t in (query, key, value)),
                            tuple(query.device_mesh.shape), tuple(tuple(t.shape) for t in (query, key, value)))
     if varlen.cu_seqlens_q is not None and (varlen.max_seqlen_q is None or varlen.max_seqlen_kv is None):

@@ -1,0 +1,70 @@
+"""Mod structures made once per structural arguments, reachable from torch.compile'd code.
+
+A library factory whose DAG depends on its arguments (`sliding_window`: which sides are
+bounded; `compose` / `and_masks` / `or_masks`: which parts) gets its structure here and binds
+the call's values into it:
+
+    mod = template(_window_structure, left_bounded, right_bounded, bottom_right).bind(left=..., right=...)
+
+So a factory traces no DAG per call (eager calls get cheaper), and it works inside a function
+compiled with torch.compile(fullgraph=True): the structure is built eagerly at trace time
+(`template_key` is an assume_constant_result function, and torch.compile hands it objects only
+as top-level arguments) and comes back through a plain subscript of a module-level registry,
+which the compiler can trace and guard (an object returned by such a function could not be
+used in traced code). The registry is bounded (least recently used structures are dropped) and
+written under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["template", "template_key"]
+
+_TEMPLATES: "OrderedDict[str, Any]" = OrderedDict()
+_LOCK = threading.Lock()
+_MAX = 512
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _arg_key(a: Any) -> str:
+    """Plain values by type and repr; objects (parts' origins) by identity, pinned by the entry."""
+    return f"{type(a).__name__}:{a!r}" if isinstance(a, _PLAIN) else f"<{type(a).__name__}@{id(a)}>"
+
+
+def _same_args(stored: tuple, args: tuple) -> bool:
+    return len(stored) == len(args) and all(
+        (a == b) if isinstance(a, _PLAIN) else (a is b) for a, b in zip(stored, args))
+
+
+@torch.compiler.assume_constant_result
+def template_key(builder: Callable[..., Any], *args: Any) -> str:
+    """Build `builder(*args)` once (eagerly, also under torch.compile) and return its registry key."""
+    key = f"{builder.__module__}.{builder.__qualname__}(" + ",".join(_arg_key(a) for a in args) + ")"
+    with _LOCK:
+        got = _TEMPLATES.get(key)
+        if got is not None and _same_args(got._template_args, args):
+            _TEMPLATES.move_to_end(key)
+            return key
+    built = builder(*args)
+    built._template_args = args  # pins the objects whose ids are in the key
+    with _LOCK:
+        _TEMPLATES[key] = built
+        _TEMPLATES.move_to_end(key)
+        while len(_TEMPLATES) > _MAX:
+            _TEMPLATES.popitem(last=False)
+    return key
+
+
+def template(builder: Callable[..., Any], *args: Any) -> Any:
+    """`builder(*args)`, made once per arguments (see the module docstring)."""
+    got = _TEMPLATES.get(template_key(builder, *args))
+    if got is None:  # dropped by another thread in between (eager code only)
+        got = builder(*args)
+    return got
