@@ -9,14 +9,15 @@ the call's values into it:
 So a factory traces no DAG per call (eager calls get cheaper), and it works inside a function
 compiled with torch.compile(fullgraph=True): the structure is built eagerly at trace time
 (`template_key` is an assume_constant_result function, and torch.compile hands it objects only
-as top-level arguments) and comes back through a plain subscript of a module-level registry,
-which the compiler can trace and guard (an object returned by such a function could not be
-used in traced code). The registry is bounded (least recently used structures are dropped) and
-written under a lock.
+as top-level arguments) and comes back as an attribute of a module-level holder, which the
+compiler resolves live and can guard (an object returned by such a function could not be used
+in traced code). The holder is bounded (least recently used structures are dropped) and written
+under a lock.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from typing import Any, Callable
@@ -25,11 +26,16 @@ import torch
 
 __all__ = ["template", "template_key"]
 
-_TEMPLATES: "OrderedDict[str, Any]" = OrderedDict()
+class _Slots:
+    """Holds each structure as an attribute named by its key's digest: compiled code reaches it
+    with getattr, which the compiler resolves on the live object (a dict read there would come
+    from its snapshot of the dict, taken before a structure built during the same trace)."""
+
+
+_SLOTS = _Slots()
+_ORDER: "OrderedDict[str, None]" = OrderedDict()  # slot names, least recently used first
 _LOCK = threading.Lock()
 _MAX = 512
-
-
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -45,26 +51,29 @@ def _same_args(stored: tuple, args: tuple) -> bool:
 
 @torch.compiler.assume_constant_result
 def template_key(builder: Callable[..., Any], *args: Any) -> str:
-    """Build `builder(*args)` once (eagerly, also under torch.compile) and return its registry key."""
+    """Build `builder(*args)` once (eagerly, also under torch.compile) and return its slot name."""
     key = f"{builder.__module__}.{builder.__qualname__}(" + ",".join(_arg_key(a) for a in args) + ")"
+    name = "t_" + hashlib.sha1(key.encode()).hexdigest()
     with _LOCK:
-        got = _TEMPLATES.get(key)
+        got = getattr(_SLOTS, name, None)
         if got is not None and _same_args(got._template_args, args):
-            _TEMPLATES.move_to_end(key)
-            return key
+            _ORDER.move_to_end(name)
+            return name
     built = builder(*args)
     built._template_args = args  # pins the objects whose ids are in the key
     with _LOCK:
-        _TEMPLATES[key] = built
-        _TEMPLATES.move_to_end(key)
-        while len(_TEMPLATES) > _MAX:
-            _TEMPLATES.popitem(last=False)
-    return key
+        setattr(_SLOTS, name, built)
+        _ORDER[name] = None
+        _ORDER.move_to_end(name)
+        while len(_ORDER) > _MAX:
+            delattr(_SLOTS, _ORDER.popitem(last=False)[0])
+    return name
 
 
 def template(builder: Callable[..., Any], *args: Any) -> Any:
     """`builder(*args)`, made once per arguments (see the module docstring)."""
-    got = _TEMPLATES.get(template_key(builder, *args))
+    name = template_key(builder, *args)
+    got = getattr(_SLOTS, name, None)
     if got is None:  # dropped by another thread in between (eager code only)
         got = builder(*args)
     return got
