@@ -406,3 +406,40 @@ def test_a_traced_mods_compiled_spec_is_the_one_the_mod_itself_gives(layout):
     assert structured.rsplit(":", 1)[1] == direct.rsplit(":", 1)[1]
     template = ops.lookup_spec(structured).score_mod.tensors()["m1_bias"]
     assert template.device.type == "meta" and template.dtype == t.dtype and template.dim() == t.dim()
+
+
+def check_compiled_bias_calls(device: str, backend: str, dtype: torch.dtype, s0: int) -> None:
+    """A compiled function whose post_scale_bias changes shape between calls (another sequence
+    length, a per-batch bias; built inside the function): out, dq, dk, dv and the bias gradient of
+    each call against float64, with the project's rule. Shared with the GPU suite (cuDNN)."""
+    from fused_attn.testing import assert_close, bound_from, reference_attention
+
+    torch._dynamo.reset()
+    gen = torch.Generator(device=device).manual_seed(s0)
+    h, d = 4, 64
+    for s, bb in ((s0, 1), (2 * s0, 1), (s0, 2)):
+        q, k, v, do = (torch.randn(2, s, h, d, generator=gen, device=device) for _ in range(4))
+        bias = torch.randn(bb, h, s, s, generator=gen, device=device)
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [bias.clone().requires_grad_()]
+
+        def f(a, b, c, bias=leaves[3]):
+            return fused_attn.dot_product_attention(a, b, c, score_mod=sm.post_scale_bias(bias), backend=backend)
+
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(*leaves[:3])
+        got = [out] + list(torch.autograd.grad(out, leaves, do.to(dtype)))
+
+        def naive(dt):
+            ts = [t.detach().to(dt).requires_grad_() for t in (q, k, v, bias)]
+            o, _ = reference_attention(*(t.transpose(1, 2) for t in ts[:3]), 1 / math.sqrt(d),
+                                       score_fn=lambda x, *_: x + ts[3].to(x.dtype), dtype=dt,
+                                       softmax_dtype=torch.float64 if dt == torch.float64 else torch.float32)
+            o = o.transpose(1, 2)
+            return [o] + list(torch.autograd.grad(o, ts, do.to(dt)))
+
+        exact, same = naive(torch.float64), naive(dtype)
+        for name, g, e, n in zip(("out", "dq", "dk", "dv", "dbias"), got, exact, same):
+            assert_close(g, e, bound_from(n, e, dtype), f"S={s} bias batch {bb}: {name}")
+
+
+def test_compiled_bias_calls_follow_each_calls_shapes():
+    check_compiled_bias_calls("cpu", "reference", torch.float32, 16)

@@ -75,3 +75,11 @@ def test_cuda_graph_capture_and_replay_after_inputs_change():
     ref_y.float().square().sum().backward()
     assert _close(static_y, ref_y)
     assert _close(static_x.grad, ref_x.grad)
+
+
+def test_compiled_bias_calls_follow_each_calls_shapes_on_cudnn():
+    """The graph of each compiled post_scale_bias call is built for that call's bias shape (a
+    registry template of the first call's shape gave the wrong graph; stub-tested on CPU)."""
+    from test_compile import check_compiled_bias_calls
+
+    check_compiled_bias_calls("cuda", "cudnn", torch.bfloat16, 256)

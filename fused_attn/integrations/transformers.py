@@ -42,8 +42,8 @@ How transformers' arguments map onto `fused_attn.dot_product_attention`:
 Refused with NotImplementedError naming the case (never silently different): `or_mask_function`
 / custom and chunked / block-wise mask patterns, 4-D masks with biases or irregular patterns,
 flex BlockMasks, the keywords in `UNSUPPORTED_KWARGS` (`position_bias`, sparse-attention
-`indices` / `block_indices`, per-token `sinks`, `head_mask`), padding with holes inside a row, a non-causal sliding window
-with a KV cache, packed position_ids with a padding mask or a cache. Padded batches cost one
+`indices` / `block_indices`, per-token `sinks`, `head_mask`), padding with holes inside a row,
+a non-causal sliding window with a KV cache, packed position_ids with a padding mask or a cache. Padded batches cost one
 host read per forward (per mask tensor, shared by the layers); dense and `cu_seq_lens_*` calls
 cost none. torch.compile works with graph breaks at the mask handling (fullgraph=True does not:
 transformers' mask closures cannot be read while tracing).
