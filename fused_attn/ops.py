@@ -302,7 +302,7 @@ def compiled_key(resolver: Any, args: tuple, score_mod: Any, mod_facts: Optional
     A traced mod arrives as its `compile_structure()` (origin, mod_facts) and resolves as the
     origin's meta-tensor stand-in; any other score_mod (mod_facts None) as itself."""
     if mod_facts is not None:
-        score_mod = score_mod.stand_in(score_mod, mod_facts)
+        score_mod = score_mod.stand_in(mod_facts)
     spec, _mod = resolver(args, score_mod)
     return _register(traced_spec(spec, device_type, dtype, head_dim, head_dim_v))
 

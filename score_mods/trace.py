@@ -273,14 +273,13 @@ class TracedMod(ScoreMod):
         tensors = tuple((p, v.dtype, v.dim()) for p, v in self._values.items() if isinstance(v, torch.Tensor))
         return self._origin, (tensors, getattr(self, "native_band", None))
 
-    @staticmethod
-    def stand_in(origin: "TracedMod", facts: tuple) -> "TracedMod":
-        """`origin` bound to meta tensors of the recorded dtypes and ranks, with the recorded native
-        band: the cache_key and spec of the mod `compile_structure` described (values and shapes
-        enter neither), and no data."""
+    def stand_in(self, facts: tuple) -> "TracedMod":
+        """This mod (an origin) bound to meta tensors of the dtypes and ranks in `facts`, with their
+        native band: the cache_key and spec of the mod whose `compile_structure` gave `facts`
+        (values and shapes enter neither), and no data."""
         tensors, band = facts
         metas = {p: torch.empty((1,) * rank, dtype=dtype, device="meta") for p, dtype, rank in tensors}
-        mod = origin._copy({**origin._values, **metas})
+        mod = self._copy({**self._values, **metas})
         if band is not None:
             mod.native_band = band
         return mod
