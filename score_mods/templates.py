@@ -26,6 +26,7 @@ import torch
 
 __all__ = ["template", "template_key"]
 
+
 class _Slots:
     """Holds each structure as an attribute named by its key's digest: compiled code reaches it
     with getattr, which the compiler resolves on the live object (a dict read there would come

@@ -402,7 +402,8 @@ def test_a_traced_mods_compiled_spec_is_the_one_the_mod_itself_gives(layout):
     config = ("bshd", "causal", None, None, None, None, None, False, "cudnn", False, "vanilla", 0.0)
     direct = ops.compiled_key(_resolve_call, config, mod, None, "cuda", torch.bfloat16, 16, 16)
     structured = ops.compiled_key(_resolve_call, config, *mod.compile_structure(), "cuda", torch.bfloat16, 16, 16)
-    # the same spec (the digest of its repr: tensor shapes included); the label is the origin's name
+    # the same spec (the key's digest is of the spec's repr, which leaves the template mod out: its
+    # structure enters through score_mod_key); the label before it is the origin's value-free name
     assert structured.rsplit(":", 1)[1] == direct.rsplit(":", 1)[1]
     template = ops.lookup_spec(structured).score_mod.tensors()["m1_bias"]
     assert template.device.type == "meta" and template.dtype == t.dtype and template.dim() == t.dim()
