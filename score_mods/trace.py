@@ -260,8 +260,8 @@ class TracedMod(ScoreMod):
         return self._name
 
     def _copy(self, values: Dict[str, Any], name: Optional[str] = None) -> "TracedMod":
-        return TracedMod(self._name if name is None else name, self.root, self.specs, values,
-                         self._name_fn if name is None else None, origin=self._origin)
+        return type(self)(self._name if name is None else name, self.root, self.specs, values,
+                          self._name_fn if name is None else None, origin=self._origin)
 
     def compile_structure(self) -> Tuple["TracedMod", tuple]:
         """(origin, facts): what a compiled graph's spec depends on, as arguments torch.compile can

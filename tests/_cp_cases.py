@@ -200,8 +200,17 @@ def cp_errors(ctx: Ctx) -> None:
         loc[0], loc[1][:, :2], loc[2][:, :2], attn_mask_type="causal"))
     from score_mods import causal
 
-    expect_error(NotImplementedError, r"reads positions .*backend='reference'", lambda: cpa(
-        *loc, score_mod=causal(), backend="cudnn"))
+    from score_mods import raw_callback
+
+    untraced = raw_callback(lambda graph, score, tensors: score, cache_key="identity",
+                            reference=lambda s, b, h, q_idx, kv_idx: s)  # its index use is unknown
+    expect_error(NotImplementedError, r"reads positions .*only traced score_mods get them on cuDNN", lambda: cpa(
+        *loc, score_mod=untraced, backend="cudnn"))
+    cu_ok = torch.tensor([0, 4 * ctx.world, 8 * ctx.world], dtype=torch.int32)
+    packed = [ctx.randn(4, 4, 16) for _ in range(3)]
+    expect_error(NotImplementedError, r"reads positions .*differ per sequence in a packed \(thd\) batch", lambda: cpa(
+        *packed, qkv_format="thd", cu_seqlens_q=cu_ok, cu_seqlens_kv=cu_ok, max_seqlen_q=4 * ctx.world,
+        max_seqlen_kv=4 * ctx.world, score_mod=causal(), backend="cudnn"))
     cu = torch.tensor([0, 2, 2 + 4 * ctx.world], dtype=torch.int32)  # 2 is no multiple of 2N
     t = [ctx.randn(1 + 2, 4, 16) for _ in range(3)]
     expect_error(ValueError, r"every sequence length must be a multiple of", lambda: cpa(

@@ -183,13 +183,37 @@ def dtensor_sharding(dim: int):
     return case
 
 
-def position_mod_refused(rank: int, world: int) -> None:
+def cp_position_mod(comm: str, which: str):
+    """Score_mods that read positions get global ones on cuDNN (one graph for every block)."""
+    def case(rank: int, world: int) -> None:
+        import score_mods as sm
+
+        s, h = 512 * world, 8
+        slopes = sm.alibi_slopes(h).cuda()
+        kw: Dict[str, Any] = {
+            "alibi": dict(attn_mask_type="causal", score_mod=sm.alibi(slopes)),
+            "causal_mod": dict(score_mod=sm.compose(sm.softcap(30.0), sm.causal())),
+            "window_mod": dict(score_mod=sm.sliding_window(300, 0)),
+        }.get(which)
+        if which == "bias":  # a fixed bias indexed by q_idx / kv_idx: indexed globally
+            gen = torch.Generator(device="cuda").manual_seed(_seed(which, world))
+            bias = torch.randn(1, h, s, s, generator=gen, device="cuda")
+            kw = dict(attn_mask_type="causal", score_mod=sm.post_scale_bias(bias))
+        _compare_cp(rank, world, kw, comm, (2, s, h, 128))
+    return case
+
+
+def thd_position_mod_refused(rank: int, world: int) -> None:
     import fused_attn.distributed as fd
     from score_mods import alibi, alibi_slopes
 
-    q = torch.randn(1, 64, 4, 64, device="cuda", dtype=_BF16)
-    with pytest.raises(NotImplementedError, match="reads positions"):
-        fd.context_parallel_attention(q, q, q, score_mod=alibi(alibi_slopes(4).cuda()))
+    cu = torch.tensor([0, 128 * world, 256 * world], dtype=torch.int32, device="cuda")
+    local = fd.shard_sequence(torch.randn(256 * world, 4, 64, device="cuda", dtype=_BF16), qkv_format="thd",
+                              cu_seqlens=cu)
+    with pytest.raises(NotImplementedError, match="differ per sequence in a packed"):
+        fd.context_parallel_attention(local, local, local, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                      max_seqlen_q=128 * world, max_seqlen_kv=128 * world,
+                                      score_mod=alibi(alibi_slopes(4).cuda()))
 
 
 CASES: Dict[str, Callable] = {}
@@ -203,7 +227,9 @@ CASES["module_cp_ring_causal"] = lambda rank, world: _compare_cp(rank, world, di
                                                                   (2, 512 * world, 8, 128), module=True)
 CASES["dtensor_batch"] = dtensor_sharding(0)
 CASES["dtensor_heads"] = dtensor_sharding(2)
-CASES["cp_position_mod_refused_on_cudnn"] = position_mod_refused
+for _comm, _which in itertools.product(("ring", "all_gather"), ("alibi", "causal_mod", "window_mod", "bias")):
+    CASES[f"cp_{_comm}_{_which}"] = cp_position_mod(_comm, _which)
+CASES["cp_thd_position_mod_refused_on_cudnn"] = thd_position_mod_refused
 
 
 # ----------------------------------------------------------------------------- running

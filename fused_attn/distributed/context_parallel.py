@@ -21,10 +21,12 @@ None (the mesh dim's group), and the result is a DTensor placed like the query.
 
 Supported: attn_mask_type "no_mask" / "causal" ("causal_bottom_right" when Sq == Skv), GQA,
 softmax_scale, deterministic, every backend; score_mods that do not read positions (softcap, ...)
-on every backend; position-dependent score_mods (causal / ALiBi / a bias as score_mods) on the
-reference backend (backend="reference"). Refused with NotImplementedError: windows, sinks,
-dropout, padding masks, padded thd offsets, position-dependent score_mods on cuDNN, and thd on
-cuDNN until its two-GPU comparison has passed (`thd_cudnn_refusal`).
+on every backend; position-dependent score_mods (causal / ALiBi / windows / a bias as score_mods)
+at global positions: traced ones on every backend for dense layouts (one cuDNN graph for every
+block, offsets bound per call), every kind on the reference backend. Refused with
+NotImplementedError: windows (window_size), sinks, dropout, padding masks, padded thd offsets,
+position-dependent score_mods of packed (thd) batches on cuDNN, and thd on cuDNN until its
+two-GPU comparison has passed (`thd_cudnn_refusal`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from score_mods.positions import at_positions
+from score_mods.trace import TracedMod
 
 from . import cp_ring
 from .cp_layout import LAYOUTS, DenseLayout, ThdLayout
@@ -60,6 +65,19 @@ def thd_cudnn_refusal() -> Optional[str]:
     run correctly on two GPUs, cuDNN refuses these calls."""
     return ("context parallelism of packed (thd) batches on cuDNN is not yet verified across GPUs: pass "
             "backend='reference', or pad the batch and shard it as bshd")
+
+
+def _positions_refusal(mod: Any, fmt: str) -> Optional[str]:
+    """Why a score_mod that reads positions cannot run on cuDNN under context parallelism, or None."""
+    head = (f"score_mod {mod.name!r} reads positions (q_idx / kv_idx / lengths), so under context parallelism it "
+            "needs global positions")
+    if fmt == "thd":
+        return (f"{head}, which differ per sequence in a packed (thd) batch; cuDNN reads per-sequence operands of "
+                "packed graphs wrongly, so pass backend='reference' (or pad the batch and shard it as bshd)")
+    if not isinstance(mod, TracedMod):
+        return f"{head}; only traced score_mods get them on cuDNN (pass backend='reference')"
+    why = at_positions(mod, 0, 0, 1, 1).cudnn_unsupported
+    return None if why is None else f"{head}; {why}"
 
 
 def _check_choice(arg: str, value: Any, choices: tuple) -> None:
@@ -117,11 +135,23 @@ def cp_config(query: torch.Tensor, key: torch.Tensor, group: Any, cp_comm: str, 
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise ValueError("this process is not a member of cp_group")
+    from score_mods import as_score_mod
+
+    mod = as_score_mod(kwargs.get("score_mod"), tensors=kwargs.get("score_mod_tensors"),
+                       bprop=kwargs.get("score_mod_bprop"), bprop_tensors=kwargs.get("score_mod_bprop_tensors"))
+    affine = reads_positions(mod)
+    backend = kwargs.get("backend", "auto")
+    on_cudnn = backend == "cudnn" or (backend == "auto" and query.is_cuda)
+    if affine:
+        if on_cudnn:
+            why = _positions_refusal(mod, fmt)
+            if why is not None:
+                raise NotImplementedError(why)
+        kwargs = {k: v for k, v in kwargs.items() if not k.startswith("score_mod")}
     varlen = {k: kwargs.pop(k, None) for k in ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")}
     if fmt == "thd":
-        backend = kwargs.get("backend", "auto")
         why = thd_cudnn_refusal()
-        if why is not None and (backend == "cudnn" or (backend == "auto" and query.is_cuda)):
+        if why is not None and on_cudnn:
             raise NotImplementedError(why)
         lay = _thd_layout(query, key, varlen, layout, n, rank)
         sq, skv = lay.max["q"], lay.max["kv"]
@@ -133,21 +163,8 @@ def cp_config(query: torch.Tensor, key: torch.Tensor, group: Any, cp_comm: str, 
         lay = DenseLayout(fmt, layout, n, rank, query.shape[seq], key.shape[seq])
         sq, skv = query.shape[seq], key.shape[seq]
     causal = _causal(kwargs, sq, skv)
-    from score_mods import as_score_mod
-
-    mod = as_score_mod(kwargs.get("score_mod"), tensors=kwargs.get("score_mod_tensors"),
-                       bprop=kwargs.get("score_mod_bprop"), bprop_tensors=kwargs.get("score_mod_bprop_tensors"))
-    affine = reads_positions(mod)
-    backend = kwargs.get("backend", "auto")
-    if affine:
-        if backend == "cudnn" or (backend == "auto" and query.is_cuda):
-            raise NotImplementedError(
-                f"score_mod {mod.name!r} reads positions (q_idx / kv_idx / lengths): under context parallelism it "
-                "needs global positions, which only the reference backend supports (pass backend='reference'); "
-                "the cuDNN lowering would need int32 runtime offsets added to gen_index")
-        kwargs = {k: v for k, v in kwargs.items() if not k.startswith("score_mod")}
     names = _grad_names(mod)
-    if names and (backend == "cudnn" or (backend == "auto" and query.is_cuda)):
+    if names and on_cudnn:
         raise NotImplementedError("score_mod tensor parameters that require grad run on the reference backend under "
                                   "context parallelism (pass backend='reference')")
     return cp_ring.CPConfig(group=group, n=n, rank=rank, layout=lay, causal=causal, kwargs=kwargs, mod=mod,

@@ -8,13 +8,12 @@ reading q_len / kv_len) needs the global positions:
     q_idx_global = q_idx + q_offset,  kv_idx_global = kv_idx + kv_offset,
     q_len / kv_len = the global lengths
 
-`OffsetMod` does that for the reference backend (an eager mod the reference evaluates; for thd
-the offsets are per sequence: chunk id * that sequence's chunk length). The cuDNN lowering would
-need the same thing as runtime graph inputs: an int32 (B, 1, 1, 1) tensor (or pass-by-value
-int32 scalar for dense) added to `gen_index` of axes 2 and 3 before the mod's expression, and the
-global lengths in place of seq_len_q / seq_len_kv. Measured on the H100 (see
-benchmarks/results/frontend_probe_h100.md): the engines compute ``add(index, fp32 scalar)``
-wrongly but ``add(index, int32 scalar)`` correctly, so the offsets must be int32 operands.
+Dense layouts: one offset per block call, so a traced mod becomes `score_mods.positions.at_positions`
+(int parameters bound per call: every backend, one cuDNN graph for all blocks, ranks and steps).
+Packed (thd) layouts: the offsets are per sequence (chunk id * that sequence's chunk length),
+(B,) tensors; `OffsetMod` serves those (and mods that are not traced) on the reference backend
+only: cuDNN engines read per-sequence (B, 1, 1, 1) operands of ragged graphs wrongly (measured on
+H100, benchmarks/results/frontend_probe_h100.md).
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from typing import Any, Dict, Hashable, Optional, Union
 
 import torch
 from score_mods.base import ScoreMod
+from score_mods.positions import at_positions
+from score_mods.trace import TracedMod
 
 from .sharding import index_uses, tensor_axes
 
@@ -54,8 +55,8 @@ def _at(offset: Offset, b: torch.Tensor) -> Any:
 
 class OffsetMod(ScoreMod):
     """`inner` evaluated at global positions: q_idx + q_offset, kv_idx + kv_offset, lengths q_len /
-    kv_len. Offsets and lengths are ints (dense) or (B,) int64 tensors indexed by the sequence
-    (thd). Reference backend only (no cuDNN lowering: see the module docstring)."""
+    kv_len. Offsets and lengths are ints or (B,) int64 tensors indexed by the sequence (thd).
+    Reference backend only (no cuDNN lowering: see the module docstring)."""
 
     def __init__(self, inner: ScoreMod, q_offset: Offset, kv_offset: Offset, q_len: Offset, kv_len: Offset,
                  max_len: tuple) -> None:
@@ -108,10 +109,13 @@ class OffsetMod(ScoreMod):
         gq, gk = _at(self.q_len, b), _at(self.kv_len, b)
         return self.inner.eager(score, b, h, q_idx + qo, kv_idx + ko, gq, gk)
 
+    @property
+    def cudnn_unsupported(self) -> Optional[str]:
+        return (f"score_mod {self.name!r}: position-dependent score_mods under context parallelism run on the "
+                "reference backend only when the offsets are per sequence (thd) or the mod is not traced")
+
     def lower_forward(self, graph: Any, score: Any, operands: Any, memo: Any) -> Any:
-        raise NotImplementedError(
-            f"score_mod {self.name!r}: position-dependent score_mods under context parallelism run on the reference "
-            "backend only (the cuDNN lowering needs int32 runtime offsets added to gen_index)")
+        raise NotImplementedError(self.cudnn_unsupported)
 
     def __repr__(self) -> str:
         return f"<ScoreMod {self.name} q+{self.q_offset!r} kv+{self.kv_offset!r}>"
@@ -119,7 +123,10 @@ class OffsetMod(ScoreMod):
 
 def offset_mod(mod: Optional[ScoreMod], q_offset: Offset, kv_offset: Offset, q_len: Offset, kv_len: Offset,
                max_len: tuple) -> Optional[ScoreMod]:
-    """`mod` at global positions, or `mod` itself when it does not read positions."""
+    """`mod` at global positions, or `mod` itself when it does not read positions: a traced mod
+    with int offsets becomes a positioned TracedMod (every backend), anything else an OffsetMod."""
     if mod is None or not reads_positions(mod):
         return mod
+    if isinstance(mod, TracedMod) and all(isinstance(v, int) for v in (q_offset, kv_offset, q_len, kv_len)):
+        return at_positions(mod, q_offset, kv_offset, q_len, kv_len)
     return OffsetMod(mod, q_offset, kv_offset, q_len, kv_len, max_len)
