@@ -428,17 +428,15 @@ def _spec_of(mod):
     return resolve_spec(score_mod=mod, backend="reference")[0]
 
 
-def test_thd_context_parallelism_is_refused_on_cudnn(one_rank_group):
-    """Not yet verified on two GPUs: thd under context parallelism with cuDNN is refused before any
-    communication; the reference backend keeps serving it (the multi-process tests)."""
+def test_thd_context_parallelism_on_one_rank_equals_the_unsharded_call(one_rank_group):
+    """A one-rank group: packed context parallelism is the plain call (more ranks: the
+    multi-process tests here, and on cuDNN the 2-GPU suite)."""
     import fused_attn.distributed as fd
 
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     q = torch.randn(16, 2, 8, dtype=torch.float64)
     kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8,
               max_seqlen_kv=8)
-    with pytest.raises(NotImplementedError, match=r"packed \(thd\) batches on cuDNN"):
-        fd.context_parallel_attention(q, q, q, backend="cudnn", **kw)
     out = fd.context_parallel_attention(q, q, q, backend="reference", **kw)
     want = fused_attn.dot_product_attention(q, q, q, backend="reference", **kw)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)

@@ -15,7 +15,6 @@ Run either way (both need >= 2 GPUs):
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import json
@@ -119,40 +118,15 @@ def cp_dense(comm: str, mask: str, softcap: bool = False):
     return case
 
 
-@contextlib.contextmanager
-def _thd_refusal_lifted():
-    """Run packed context parallelism on cuDNN although the library still refuses it (the
-    comparison that decides whether the refusal can go)."""
-    from fused_attn.distributed import context_parallel
-
-    refusal = context_parallel.thd_cudnn_refusal
-    context_parallel.thd_cudnn_refusal = lambda: None
-    try:
-        yield
-    finally:
-        context_parallel.thd_cudnn_refusal = refusal
-
-
 def cp_thd(comm: str, mask: str):
     def case(rank: int, world: int) -> None:
-        import fused_attn.distributed as fd
-        from fused_attn.distributed.context_parallel import thd_cudnn_refusal
-
         u = 2 * world
         lens = [256 * u, 64 * u, 0, 128 * u]  # an empty sequence included
         cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
         kw = dict(qkv_format="thd", attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu,
                   max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
-        # The earlier comparison failed because the ranks drew different inputs (see _seed); while
-        # the library refuses thd on cuDNN, this compares the engine with the refusal lifted.
-        with _thd_refusal_lifted():
-            _compare_cp(rank, world, kw, comm, (int(cu[-1]), 8, 128), fmt="thd", cu=cu)
-        if thd_cudnn_refusal() is not None:
-            local = fd.shard_sequence(torch.randn(int(cu[-1]), 8, 128, device="cuda", dtype=_BF16),
-                                      qkv_format="thd", cu_seqlens=cu)
-            for backend in ("auto", "cudnn"):
-                with pytest.raises(NotImplementedError, match="packed \\(thd\\) batches on cuDNN"):
-                    fd.context_parallel_attention(local, local, local, cp_comm=comm, backend=backend, **kw)
+        # (an earlier comparison failed only because the ranks drew different inputs: see _seed)
+        _compare_cp(rank, world, kw, comm, (int(cu[-1]), 8, 128), fmt="thd", cu=cu)
     return case
 
 

@@ -25,8 +25,8 @@ on every backend; position-dependent score_mods (causal / ALiBi / windows / a bi
 at global positions: traced ones on every backend for dense layouts (one cuDNN graph for every
 block, offsets bound per call), every kind on the reference backend. Refused with
 NotImplementedError: windows (window_size), sinks, dropout, padding masks, padded thd offsets,
-position-dependent score_mods of packed (thd) batches on cuDNN, and thd on cuDNN until its
-two-GPU comparison has passed (`thd_cudnn_refusal`).
+and position-dependent score_mods of packed (thd) batches on cuDNN (their offsets differ per
+sequence, which cuDNN's packed graphs read wrongly).
 """
 
 from __future__ import annotations
@@ -53,18 +53,6 @@ _PASS = ("qkv_format", "softmax_scale", "score_mod", "score_mod_tensors", "score
 #: arguments context parallelism refuses unless they have these values
 _REFUSED = (("sinks", None), ("softmax_type", "vanilla"), ("dropout_p", 0.0), ("cu_seqlens_q_padded", None),
             ("cu_seqlens_kv_padded", None))
-
-
-def thd_cudnn_refusal() -> Optional[str]:
-    """Why packed (thd) batches under context parallelism do not run on cuDNN (None once they do).
-
-    Every block call they make is a configuration the single-GPU suite checks on cuDNN, and a
-    one-GPU emulation of the ring and all-gather forwards matched float64; the two-GPU comparison
-    that looked wrong drew different inputs on each rank (its seed hashed a CUDA tensor's repr,
-    which names the rank's device), so it proved nothing either way. Until that comparison has
-    run correctly on two GPUs, cuDNN refuses these calls."""
-    return ("context parallelism of packed (thd) batches on cuDNN is not yet verified across GPUs: pass "
-            "backend='reference', or pad the batch and shard it as bshd")
 
 
 def _positions_refusal(mod: Any, fmt: str) -> Optional[str]:
@@ -150,9 +138,6 @@ def cp_config(query: torch.Tensor, key: torch.Tensor, group: Any, cp_comm: str, 
         kwargs = {k: v for k, v in kwargs.items() if not k.startswith("score_mod")}
     varlen = {k: kwargs.pop(k, None) for k in ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")}
     if fmt == "thd":
-        why = thd_cudnn_refusal()
-        if why is not None and on_cudnn:
-            raise NotImplementedError(why)
         lay = _thd_layout(query, key, varlen, layout, n, rank)
         sq, skv = lay.max["q"], lay.max["kv"]
     else:
