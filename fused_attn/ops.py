@@ -299,10 +299,12 @@ def compiled_key(resolver: Any, args: tuple, score_mod: Any, mod_facts: Optional
                  dtype: torch.dtype, head_dim: int, head_dim_v: int) -> str:
     """Run an entry point's spec resolution at trace time (eagerly) and register the result:
     `resolver(args, score_mod) -> (spec, mod)`; returns the spec key (a constant of the graph).
-    A traced mod arrives as its `compile_structure()` (origin, mod_facts) and resolves as the
-    origin's meta-tensor stand-in; any other score_mod (mod_facts None) as itself."""
+    A traced mod arrives as its `compile_structure()` (origin name, mod_facts) and resolves as
+    the origin's meta-tensor stand-in; any other score_mod (mod_facts None) as itself."""
     if mod_facts is not None:
-        score_mod = score_mod.stand_in(mod_facts)
+        from score_mods.trace import origin_named
+
+        score_mod = origin_named(score_mod).stand_in(mod_facts)
     spec, _mod = resolver(args, score_mod)
     return _register(traced_spec(spec, device_type, dtype, head_dim, head_dim_v))
 

@@ -15,7 +15,7 @@ flex_attention's scalar index tensors (under vmap).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -93,13 +93,43 @@ def evaluate(root: Node, env: Dict[str, Any], params: Mapping[str, Any], extra: 
     score when there is a score; otherwise a tensor or Python number of the root's own shape.
     """
     vals: Dict[Node, Any] = dict(extra or {})
-    like = env.get("score")
-    fdt = like.dtype if like is not None and like.is_floating_point() else (float_dtype or torch.float32)
+    like, fdt = _float_dtype(env, float_dtype)
     for n in topo_order(root):
         if n in vals:
             continue
         vals[n] = _node_value(n, [vals[x] for x in n.args], env, params, like, fdt)
-    out = vals[root]
+    return _finish(vals[root], like, fdt)
+
+
+Program = Tuple[Tuple[Node, Tuple[int, ...]], ...]
+
+
+def program(root: Node) -> Program:
+    """root's nodes in evaluation order, each with its operands' positions in that order: what
+    `run` evaluates without hashing a node (torch.compile's tracer, which runs flex_attention's
+    score_mods, cannot hash them in every torch version)."""
+    order = topo_order(root)
+    slot = {n: i for i, n in enumerate(order)}
+    return tuple((n, tuple(slot[a] for a in n.args)) for n in order)
+
+
+def run(prog: Program, env: Dict[str, Any], params: Mapping[str, Any],
+        float_dtype: Optional[torch.dtype] = None) -> Any:
+    """`evaluate` of the DAG `prog` was made from (see `program`)."""
+    like, fdt = _float_dtype(env, float_dtype)
+    vals: List[Any] = []
+    for n, slots in prog:
+        vals.append(_node_value(n, [vals[i] for i in slots], env, params, like, fdt))
+    return _finish(vals[-1], like, fdt)
+
+
+def _float_dtype(env: Dict[str, Any], float_dtype: Optional[torch.dtype]) -> Tuple[Any, torch.dtype]:
+    like = env.get("score")
+    fdt = like.dtype if like is not None and like.is_floating_point() else (float_dtype or torch.float32)
+    return like, fdt
+
+
+def _finish(out: Any, like: Any, fdt: torch.dtype) -> Any:
     if like is None:
         return out
     if not _is_t(out):

@@ -28,7 +28,7 @@ from . import expr
 from .base import ScoreMod
 from .expr import Node, TensorParam, kv_len, q_len, tanh, where
 from .templates import template
-from .trace import TracedMod, _fmt, mask_mod, mask_root, score_mod
+from .trace import TracedMod, _fmt, mask_mod, mask_root, origin_named, score_mod
 
 _NEG_INF = -math.inf
 
@@ -289,8 +289,10 @@ def _merged_values(mods) -> Dict[str, Any]:
     return {f"m{i}_{p}": m._values.get(p) for i, m in enumerate(mods) for p in m.specs}
 
 
-def _fuse_structure(op: str, *origins: TracedMod) -> TracedMod:
-    """The fused structure of parts (op "compose", "and" or "or"), their defaults bound."""
+def _fuse_structure(op: str, *origin_names: str) -> TracedMod:
+    """The fused structure of parts (op "compose", "and" or "or") given by their origins' names,
+    their defaults bound."""
+    origins = [origin_named(n) for n in origin_names]
     if op == "compose":
         root = Node("score")
         for i, m in enumerate(origins):
@@ -307,7 +309,8 @@ def _fuse_structure(op: str, *origins: TracedMod) -> TracedMod:
 
 def _fuse(op: str, name: str, mods: tuple) -> TracedMod:
     """The parts fused: their origins' structure (made once, see templates) with their values."""
-    return template(_fuse_structure, op, *(m._origin for m in mods))._copy(_merged_values(mods), name=name)
+    return template(_fuse_structure, op, *(m.origin_name for m in mods))._copy(_merged_values(mods),
+                                                                                        name=name)
 
 
 def compose(*mods: ScoreMod) -> ScoreMod:
@@ -333,7 +336,7 @@ def compose(*mods: ScoreMod) -> ScoreMod:
 
 def _as_mask(fn: str, i: int, m: Any) -> TracedMod:
     if isinstance(m, TracedMod):
-        if m.mask_condition() is None:
+        if not m.is_mask:
             raise TypeError(f"{fn}(): argument {i} ({m.name!r}) is not a mask (it changes scores); pass mask mods")
         return m
     if isinstance(m, ScoreMod) or not callable(m):

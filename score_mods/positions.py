@@ -23,7 +23,7 @@ import torch
 
 from .expr import Node, topo_order
 from .templates import template
-from .trace import ParamSpec, TracedMod
+from .trace import ParamSpec, TracedMod, origin_named
 
 __all__ = ["at_positions", "POSITION_PARAMS", "PositionedMod"]
 
@@ -70,8 +70,10 @@ def _shifted_dag(root: Node) -> Node:
     return done[root]
 
 
-def _positioned_structure(origin: TracedMod) -> PositionedMod:
-    """origin's structure at shifted positions (made once per origin, see templates)."""
+def _positioned_structure(origin_name: str) -> PositionedMod:
+    """The structure of the origin named `origin_name` at shifted positions (made once per
+    origin, see templates)."""
+    origin = origin_named(origin_name)
     clash = sorted(set(POSITION_PARAMS) & set(origin.specs))
     if clash:
         raise ValueError(f"score_mod {origin.name!r} has parameters named {clash}, which at_positions adds; "
@@ -94,7 +96,7 @@ def at_positions(mod: TracedMod, q_offset: int, kv_offset: int, q_len: int, kv_l
             raise TypeError(f"at_positions(): {name} must be an int, got {v!r} ({type(v).__name__})")
         if v < 0 or v >= 2 ** 31:
             raise ValueError(f"at_positions(): {name}={v} is outside [0, 2**31)")
-    structure = template(_positioned_structure, mod._origin)
+    structure = template(_positioned_structure, mod.origin_name)
     values = {**mod._values, POSITION_PARAMS[0]: q_offset, POSITION_PARAMS[1]: kv_offset,
               POSITION_PARAMS[2]: q_len, POSITION_PARAMS[3]: kv_len}
     return structure._copy(values, name=f"{mod.name}@positions")

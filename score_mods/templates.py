@@ -8,11 +8,12 @@ the call's values into it:
 
 So a factory traces no DAG per call (eager calls get cheaper), and it works inside a function
 compiled with torch.compile(fullgraph=True): the structure is built eagerly at trace time
-(`template_key` is an assume_constant_result function, and torch.compile hands it objects only
-as top-level arguments) and comes back as an attribute of a module-level holder, which the
-compiler resolves live and can guard (an object returned by such a function could not be used
-in traced code). The holder is bounded (least recently used structures are dropped) and written
-under a lock.
+(`template_key` is an assume_constant_result function; its arguments are plain constants --
+bools, ints, strings, parts as their origins' names, `TracedMod.origin_name` -- since some torch
+versions hand no object to such a function) and comes back as an attribute of a module-level
+holder, which the compiler resolves live and can guard (an object returned by such a function
+could not be used in traced code). The holder is bounded (least recently used structures are
+dropped) and written under a lock.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def _arg_key(a: Any) -> str:
-    """Plain values by type and repr; objects (parts' origins) by identity, pinned by the entry."""
-    return f"{type(a).__name__}:{a!r}" if isinstance(a, _PLAIN) else f"<{type(a).__name__}@{id(a)}>"
+    """A plain value by type and repr."""
+    if not isinstance(a, _PLAIN):
+        raise TypeError(f"template arguments must be bools, ints, floats, strings or None, got {type(a).__name__}")
+    return f"{type(a).__name__}:{a!r}"
 
 
 def _same_args(stored: tuple, args: tuple) -> bool:
-    return len(stored) == len(args) and all(
-        (a == b) if isinstance(a, _PLAIN) else (a is b) for a, b in zip(stored, args))
+    return len(stored) == len(args) and all(type(a) is type(b) and a == b for a, b in zip(stored, args))
 
 
 @torch.compiler.assume_constant_result
@@ -61,7 +63,7 @@ def template_key(builder: Callable[..., Any], *args: Any) -> str:
             _ORDER.move_to_end(name)
             return name
     built = builder(*args)
-    built._template_args = args  # pins the objects whose ids are in the key
+    built._template_args = args
     with _LOCK:
         setattr(_SLOTS, name, built)
         _ORDER[name] = None

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
+import threading
+import weakref
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
 
 import torch
@@ -33,6 +36,29 @@ from .base import ScoreMod
 from .expr import Node, Sym, TensorParam, TensorSym
 
 _NEG_INF = -math.inf
+
+# Origins by name: torch.compile'd code hands an origin to eager code as its name (a string is a
+# constant in every torch version; some accept no object there). Weak values: an entry lives as
+# long as its origin (every mod bound from it holds it), so the table is bounded by live mods.
+_ORIGINS: "weakref.WeakValueDictionary[str, TracedMod]" = weakref.WeakValueDictionary()
+_ORIGINS_LOCK = threading.Lock()
+_ORIGIN_IDS = itertools.count()
+
+
+def _register_origin(mod: "TracedMod") -> str:
+    with _ORIGINS_LOCK:
+        name = f"origin{next(_ORIGIN_IDS)}"
+        _ORIGINS[name] = mod
+    return name
+
+
+def origin_named(name: str) -> "TracedMod":
+    """The live origin mod registered under `name` (`TracedMod.origin_name`)."""
+    with _ORIGINS_LOCK:
+        got = _ORIGINS.get(name)
+    if got is None:
+        raise KeyError(f"no live score_mod origin named {name!r}")
+    return got
 
 
 class ParamSpec:
@@ -226,6 +252,10 @@ class TracedMod(ScoreMod):
     kinds, gather arities) plus each tensor parameter's kind, dtype and rank. The Python
     function's name is not part of it: two functions with the same math share graphs. Scalar
     parameter values never are.
+
+    is_mask: whether the mod is a pure mask (where(cond, score, -inf) over the bare score).
+    origin_name: the name of the mod this one was bound from (`origin_named`), constant under
+    torch.compile.
     """
 
     def __init__(self, name: str, root: Node, specs: Dict[str, ParamSpec], values: Dict[str, Any],
@@ -236,14 +266,20 @@ class TracedMod(ScoreMod):
         if origin is None:
             # Structural facts the backends ask on every call, computed once here, in eager code
             # (torch.compile cannot trace the DAG walks behind them).
+            from .parts import pure_mask_condition
+
             self._origin = self
+            self.origin_name = _register_origin(self)
             self._gather_ranks = _gather_ranks(root)
+            self.is_mask = pure_mask_condition(root) is not None
             self.uses_lengths, self.needs_host_lengths  # noqa: B018
         else:
             # A copy with other values (bind): the structure, and every fact derived from it, is
             # the origin's, so making one walks no DAG (torch.compile traces binds inside a model)
             self._origin = origin
+            self.origin_name = origin.origin_name
             self._gather_ranks = origin._gather_ranks
+            self.is_mask = origin.is_mask
             self._uses_lengths, self._needs_host_lengths = origin.uses_lengths, origin.needs_host_lengths
         for p, v in self._values.items():
             if isinstance(v, torch.Tensor):
@@ -263,15 +299,16 @@ class TracedMod(ScoreMod):
         return type(self)(self._name if name is None else name, self.root, self.specs, values,
                           self._name_fn if name is None else None, origin=self._origin)
 
-    def compile_structure(self) -> Tuple["TracedMod", tuple]:
-        """(origin, facts): what a compiled graph's spec depends on, as arguments torch.compile can
-        hand to eager code: the eagerly made mod this one was bound from, and constants: each bound
-        tensor parameter's (name, dtype, rank) (shapes may be symbolic under torch.compile and
-        enter no spec: a call plan takes them from its own call) and the native band. It serves
-        mods bound inside a compiled function (softcap(c), alibi(slopes), post_scale_bias(bias),
-        mod.bind(...)), objects torch.compile only tracks. `stand_in` turns it back into a mod."""
+    def compile_structure(self) -> Tuple[str, tuple]:
+        """(origin name, facts): what a compiled graph's spec depends on, as constants torch.compile
+        can hand to eager code: the name of the eagerly made mod this one was bound from
+        (`origin_named`), each bound tensor parameter's (name, dtype, rank) (shapes may be symbolic
+        under torch.compile and enter no spec: a call plan takes them from its own call) and the
+        native band. It serves mods bound inside a compiled function (softcap(c), alibi(slopes),
+        post_scale_bias(bias), mod.bind(...)), objects torch.compile only tracks.
+        `origin_named(name).stand_in(facts)` turns it back into a mod."""
         tensors = tuple((p, v.dtype, v.dim()) for p, v in self._values.items() if isinstance(v, torch.Tensor))
-        return self._origin, (tensors, getattr(self, "native_band", None))
+        return self.origin_name, (tensors, getattr(self, "native_band", None))
 
     def stand_in(self, facts: tuple) -> "TracedMod":
         """This mod (an origin) bound to meta tensors of the dtypes and ranks in `facts`, with their
@@ -502,8 +539,10 @@ class TracedMod(ScoreMod):
         if self.uses_lengths and (q_len is None or kv_len is None):
             raise ValueError(f"score_mod {self.name!r} reads q_len/kv_len; call to_flex(q_len=Sq, kv_len=Skv)")
 
+        prog, params = eager_mod.program(self.root), self._params()  # made here, in eager code
+
         def flex_mod(score, b, h, q_idx, kv_idx):
-            return self.eager(score, b, h, q_idx, kv_idx, q_len, kv_len)
+            return eager_mod.run(prog, eager_mod.index_env(score, b, h, q_idx, kv_idx, q_len, kv_len), params)
 
         flex_mod.__name__ = f"{self.name}_flex"
         return flex_mod
@@ -524,9 +563,11 @@ class TracedMod(ScoreMod):
         if self.uses_lengths and (q_len is None or kv_len is None):
             raise ValueError(f"score_mod {self.name!r} reads q_len/kv_len; call to_flex_mask(q_len=Sq, kv_len=Skv)")
 
+        prog, params = eager_mod.program(cond), self._params()  # made here, in eager code
+
         def flex_mask(b, h, q_idx, kv_idx):
             env = {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, "q_len": q_len, "kv_len": kv_len}
-            out = eager_mod.evaluate(cond, env, self._params())
+            out = eager_mod.run(prog, env, params)
             return out if isinstance(out, torch.Tensor) else torch.full((), bool(out), dtype=torch.bool, device=q_idx.device)
 
         flex_mask.__name__ = f"{self.name}_flex_mask"

@@ -444,3 +444,27 @@ def check_compiled_bias_calls(device: str, backend: str, dtype: torch.dtype, s0:
 
 def test_compiled_bias_calls_follow_each_calls_shapes():
     check_compiled_bias_calls("cpu", "reference", torch.float32, 16)
+
+
+def test_origins_cross_into_compiled_code_by_name_while_they_live():
+    """Compiled code hands a mod's origin to eager code by name (a constant in every torch
+    version); the name table holds origins weakly, so it grows with live mods only."""
+    import gc
+
+    from score_mods.templates import template
+    from score_mods.trace import origin_named
+
+    @sm.score_mod
+    def doubled(score, b, h, q_idx, kv_idx, k=2.0):
+        return score * k
+
+    name = doubled.origin_name
+    bound = doubled(k=3.0)
+    assert bound.origin_name == name and origin_named(name) is doubled
+    del doubled, bound
+    gc.collect()
+    with pytest.raises(KeyError, match="no live score_mod origin named"):
+        origin_named(name)
+    with pytest.raises(TypeError, match="template arguments must be bools, ints, floats, strings or None, got "
+                                        "TracedMod"):
+        template(lambda m: m, sm.causal())

@@ -234,7 +234,8 @@ def dtensor_call(resolver: Any, config: tuple, score_mod: Any, query: DTensor, k
     _check_meshes(query, key, value)
     op_key = _ops.call_key(resolver, config, score_mod, query, value)
     kinds = _checked_kinds(op_key, tuple(tuple(t.placements) for t in (query, key, value)),
-                           tuple(query.device_mesh.shape), tuple(tuple(t.shape) for t in (query, key, value)))
+                           tuple(query.device_mesh.size(i) for i in range(query.device_mesh.ndim)),
+                           tuple(tuple(t.shape) for t in (query, key, value)))
     if varlen.cu_seqlens_q is not None and (varlen.max_seqlen_q is None or varlen.max_seqlen_kv is None):
         raise ValueError("DTensor thd calls need max_seqlen_q and max_seqlen_kv (deriving them reads cu_seqlens on "
                          "the host)")
