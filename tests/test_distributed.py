@@ -236,6 +236,9 @@ def test_autoparallel_style_capture_with_fake_tensors(kind):
     assert not any("_local_scalar_dense" in t or t.endswith(".item") for t in targets), sorted(targets)
 
 
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11),
+                    reason="torch 2.10 cannot torch.compile under an active FakeTensorMode (torch's own SDPA fails "
+                           "the same way: the backend's fake mode differs from the inputs')")
 @pytest.mark.parametrize("kind", KINDS)
 def test_compile_fullgraph_with_fake_tensors(kind):
     from torch._subclasses import FakeTensorMode

@@ -596,6 +596,9 @@ def test_forward_matches_flex_oracle(c: Case):
     """reference backend == flex(port.to_flex) == flex(oracle score_mod, oracle block mask), float64;
     for masks also flex(block_mask from port.to_flex_mask)."""
     torch._dynamo.reset()  # flex traces every mod with dynamo: keep cases independent (see the xfail below)
+    if c.id.startswith("graphormer_edge") and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11):
+        pytest.skip("torch 2.10's flex_attention cannot trace the oracle's data-dependent table index "
+                    "(the hand-written oracle, not the port)")
     q, k, v = qkv(c)
     tables = fresh_tables(c)
     port, mask_fn, score_fn = c.make(tables)
