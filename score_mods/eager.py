@@ -15,6 +15,7 @@ flex_attention's scalar index tensors (under vmap).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -92,18 +93,15 @@ def evaluate(root: Node, env: Dict[str, Any], params: Mapping[str, Any], extra: 
     tensor parameters by name. extra: precomputed nodes. The result is a tensor broadcast to
     score when there is a score; otherwise a tensor or Python number of the root's own shape.
     """
-    vals: Dict[Node, Any] = dict(extra or {})
-    like, fdt = _float_dtype(env, float_dtype)
-    for n in topo_order(root):
-        if n in vals:
-            continue
-        vals[n] = _node_value(n, [vals[x] for x in n.args], env, params, like, fdt)
-    return _finish(vals[root], like, fdt)
+    prog = program(root)
+    seeds = {i: extra[n] for i, (n, _) in enumerate(prog) if n in extra} if extra else None
+    return run(prog, env, params, float_dtype, seeds)
 
 
 Program = Tuple[Tuple[Node, Tuple[int, ...]], ...]
 
 
+@functools.lru_cache(maxsize=1024)
 def program(root: Node) -> Program:
     """root's nodes in evaluation order, each with its operands' positions in that order: what
     `run` evaluates without hashing a node (torch.compile's tracer, which runs flex_attention's
@@ -113,13 +111,17 @@ def program(root: Node) -> Program:
     return tuple((n, tuple(slot[a] for a in n.args)) for n in order)
 
 
-def run(prog: Program, env: Dict[str, Any], params: Mapping[str, Any],
-        float_dtype: Optional[torch.dtype] = None) -> Any:
-    """`evaluate` of the DAG `prog` was made from (see `program`)."""
+def run(prog: Program, env: Dict[str, Any], params: Mapping[str, Any], float_dtype: Optional[torch.dtype] = None,
+        seeds: Optional[Mapping[int, Any]] = None) -> Any:
+    """`evaluate` of the DAG `prog` was made from (see `program`); seeds: precomputed values by
+    position in `prog`."""
     like, fdt = _float_dtype(env, float_dtype)
     vals: List[Any] = []
-    for n, slots in prog:
-        vals.append(_node_value(n, [vals[i] for i in slots], env, params, like, fdt))
+    for i, (n, slots) in enumerate(prog):
+        if seeds is not None and i in seeds:
+            vals.append(seeds[i])
+        else:
+            vals.append(_node_value(n, [vals[j] for j in slots], env, params, like, fdt))
     return _finish(vals[-1], like, fdt)
 
 
