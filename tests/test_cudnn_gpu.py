@@ -28,7 +28,7 @@ def make(fmt, b, h, s, d, dtype, requires_grad=True):
 
 @functools.lru_cache(maxsize=None)
 def band(sq, skv, left, right, bottom_right, q_len, kv_len):
-    """`conftest.band_mask`, cached (its explicit loops are slow; the masks repeat across cases)."""
+    """`conftest.band_mask`, cached (the masks repeat across cases)."""
     return band_mask(sq, skv, left, right, bottom_right, q_len, kv_len)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fused_attn
-from conftest import band_mask, cu_seqlens, naive_attention, rand, tolerance
+from conftest import band_mask, band_mask_by_element, cu_seqlens, naive_attention, rand, tolerance
 from fused_attn.backends import reference
 from fused_attn.layouts import from_logical
 from score_mods.base import ScoreMod
@@ -43,6 +43,19 @@ class Softcap(ScoreMod):
 
 def index_fn(s, b, h, qi, ki):
     return s * 0.9 + 0.1 * h - 0.05 * (qi - ki).abs() + 0.2 * b
+
+
+def test_band_mask_oracle_rows_equal_its_element_definition():
+    """The test oracle's row-interval form equals its element-by-element definition (random bands,
+    lengths below the padded sizes, both alignments, unbounded sides, empty rows)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        sq, skv = rng.randrange(1, 24), rng.randrange(1, 24)
+        kw = dict(left=rng.choice([-1, 0, 1, 3, 30]), right=rng.choice([-1, 0, 2, 30]),
+                  bottom_right=rng.random() < 0.5, q_len=rng.randrange(0, sq + 1), kv_len=rng.randrange(0, skv + 1))
+        assert torch.equal(band_mask(sq, skv, **kw), band_mask_by_element(sq, skv, **kw)), (sq, skv, kw)
 
 
 def _mask_for(mask_type, window, sq, skv):
