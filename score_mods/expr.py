@@ -25,7 +25,7 @@ import collections
 import functools
 import math
 import threading
-from typing import Any, Hashable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
 
 import torch
 
@@ -100,6 +100,19 @@ def topo_order(root: Node) -> list:
 
 def leaves(root: Node, op: str) -> list:
     return [n for n in topo_order(root) if n.op == op]
+
+
+def substitute(root: Node, replace: Callable[[Node, Tuple[Node, ...]], Optional[Node]]) -> Node:
+    """root rebuilt bottom-up: each node becomes replace(node, its rebuilt operands), or, where
+    that is None, the same node over the rebuilt operands (leaves stay themselves)."""
+    done: Dict[Node, Node] = {}
+    for n in topo_order(root):
+        args = tuple(done[a] for a in n.args)
+        out = replace(n, args)
+        if out is None:
+            out = Node(n.op, args, n.attr, n.dtype) if n.args else n
+        done[n] = out
+    return done[root]
 
 
 Reads = collections.namedtuple("Reads", "params tensors gathers lengths axes")

@@ -270,18 +270,16 @@ def _run_bounds(ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------- composition
 
 def _prefix_dag(root: Node, prefix: str, score: Optional[Node]) -> Node:
-    done: Dict[Node, Node] = {}
-    for n in expr.topo_order(root):
+    def renamed(n: Node, args: tuple) -> Optional[Node]:
         if n.op == "score":
-            out = score
-        elif n.op == "param":
-            out = Node("param", attr=prefix + n.attr, dtype=n.dtype)
-        elif n.op == "gather":
-            out = Node("gather", tuple(done[a] for a in n.args), prefix + n.attr, n.dtype)
-        else:
-            out = Node(n.op, tuple(done[a] for a in n.args), n.attr, n.dtype) if n.args else n
-        done[n] = out
-    return done[root]
+            return score
+        if n.op == "param":
+            return Node("param", attr=prefix + n.attr, dtype=n.dtype)
+        if n.op == "gather":
+            return Node("gather", args, prefix + n.attr, n.dtype)
+        return None
+
+    return expr.substitute(root, renamed)
 
 
 def _merged_values(mods) -> Dict[str, Any]:

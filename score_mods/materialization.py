@@ -187,14 +187,6 @@ def materialize(part: Any, dims: Any, *, device: Any = None, dtype: torch.dtype 
 
 
 def _at_zero_score(node: Node) -> Node:
-    from .expr import const
+    from .expr import const, substitute
 
-    done: Dict[Node, Node] = {}
-    for n in topo_order(node):
-        if n.op == "score":
-            done[n] = const(0.0)
-        elif n.args:
-            done[n] = Node(n.op, tuple(done[a] for a in n.args), n.attr, n.dtype)
-        else:
-            done[n] = n
-    return done[node]
+    return substitute(node, lambda n, args: const(0.0) if n.op == "score" else None)

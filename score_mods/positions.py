@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .expr import Node, topo_order
+from .expr import Node, substitute
 from .templates import template
 from .trace import ParamSpec, TracedMod, origin_named
 
@@ -57,17 +57,12 @@ class PositionedMod(TracedMod):
         unshifted.check(device=device, batch=batch, heads=heads, seqlen_q=q_len, seqlen_kv=kv_len)
 
 
-def _shifted_dag(root: Node) -> Node:
-    done: Dict[Node, Node] = {}
-    for n in topo_order(root):
-        if n.op == "index" and n.attr in _INDEX_PARAM:
-            out = Node("add", (n, Node("param", attr=_INDEX_PARAM[n.attr], dtype="i")), dtype="i")
-        elif n.op == "length":
-            out = Node("param", attr=_LENGTH_PARAM[n.attr], dtype="i")
-        else:
-            out = Node(n.op, tuple(done[a] for a in n.args), n.attr, n.dtype) if n.args else n
-        done[n] = out
-    return done[root]
+def _shifted(n: Node, args: Tuple[Node, ...]) -> Optional[Node]:
+    if n.op == "index" and n.attr in _INDEX_PARAM:
+        return Node("add", (n, Node("param", attr=_INDEX_PARAM[n.attr], dtype="i")), dtype="i")
+    if n.op == "length":
+        return Node("param", attr=_LENGTH_PARAM[n.attr], dtype="i")
+    return None
 
 
 def _positioned_structure(origin_name: str) -> PositionedMod:
@@ -81,7 +76,7 @@ def _positioned_structure(origin_name: str) -> PositionedMod:
     specs = dict(origin.specs)
     specs.update({p: ParamSpec(p, "int", None, 0) for p in POSITION_PARAMS})
     values = {**origin._values, **{p: 0 for p in POSITION_PARAMS}}
-    structure = PositionedMod(f"{origin.base_name}@positions", _shifted_dag(origin.root), specs, values)
+    structure = PositionedMod(f"{origin.base_name}@positions", substitute(origin.root, _shifted), specs, values)
     structure.unshifted = origin
     return structure
 
