@@ -292,21 +292,24 @@ def _check_max_against(arg: str, value: Optional[int], lengths: List[int], what:
 _CHECKED = BoundedMemo(64, "validation.cu_seqlens")
 
 
-def assert_within(values: torch.Tensor, lo: List[int], hi: List[int], message: str,
-                  also: Optional[torch.Tensor] = None) -> None:
-    """One asynchronous device assertion that every `values[i]` (1-D int tensor) lies in
-    [lo[i], hi[i]] (host ints) and, if given, that the bool tensor `also` is all true.
+def within(values: torch.Tensor, lo: List[int], hi: List[int], also: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A device bool: every `values[i]` (1-D int tensor) lies in [lo[i], hi[i]] (host ints) and,
+    if given, the bool tensor `also` is all true.
 
     The bounds travel as one small host->device copy (pinned, non-blocking on CUDA), so the
-    check is a clamp, a comparison, a reduction and the assertion: four kernels whatever the
-    number of conditions, and no host synchronisation. CPU tensors fail right here
-    (`_assert_async` raises on CPU)."""
+    check is a clamp, a comparison and a reduction whatever the number of conditions, and no
+    host synchronisation."""
     bounds = torch.tensor([lo, hi], dtype=values.dtype, pin_memory=values.device.type == "cuda")
     bounds = bounds.to(values.device, non_blocking=True)
     ok = values.clamp(bounds[0], bounds[1]).eq_(values).all()
-    if also is not None:
-        ok = ok & also.all()
-    torch._assert_async(ok, message)
+    return ok if also is None else ok & also.all()
+
+
+def assert_within(values: torch.Tensor, lo: List[int], hi: List[int], message: str,
+                  also: Optional[torch.Tensor] = None) -> None:
+    """One asynchronous device assertion of `within(values, lo, hi, also)`; CPU tensors fail
+    right here (`_assert_async` raises on CPU)."""
+    torch._assert_async(within(values, lo, hi, also), message)
 
 
 def _check_values_on_device(names: List[str], tensors: List[torch.Tensor], tokens: Optional[Tuple[int, int]],

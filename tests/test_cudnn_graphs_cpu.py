@@ -487,3 +487,23 @@ def test_autograd_no_grad_skips_function():
     q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
     out, lse = attention(_FakeRunner(), q, k, v, NO_VARLEN, None, None)
     assert out.grad_fn is None and out.shape == (1, 1, 4, 8)
+
+
+def test_one_kernel_preparation_layout_and_cpu_rows():
+    """CPU rows take the torch-op preparation (the Triton kernel serves CUDA rows: GPU test);
+    the kernel's one output buffer holds, in write order, the parts each case binds."""
+    from fused_attn.backends.cudnn import thd_kernel
+
+    layout = varlen.ThdLayout(3, 4, (H * D,), (HKV * D,), torch.device("cpu"))
+    cu = _cu(0, 1, 3, 7)
+    assert thd_kernel.prepare(layout, cu, cu, (7, 7), (4, 4)) is None
+    pow2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
+    shared = thd_kernel._Recipe(layout, False, pow2)
+    assert shared.names == ("seq_q", "tok_q", ("q", H * D), ("kv", HKV * D), "ok")
+    assert shared.sizes == (4, 5, 5, 5, 1) and shared.size == 20 and shared.meta["BLOCK"] == 16
+    same = varlen.ThdLayout(8, 8, (7, H * D), (7, H * D), torch.device("cpu"))
+    two_rows = thd_kernel._Recipe(same, True, pow2)
+    assert two_rows.names == ("seq_q", "seq_kv", ("q", 7), ("q", H * D), ("kv", 7), ("kv", H * D), "ok")
+    assert two_rows.meta == dict(BLOCK=16, KV_ROW=True, EXT=False, NQ=2, NKV=2)
+    one_row = thd_kernel._Recipe(same, False, pow2)  # one row, equal multipliers: kv offsets alias q's
+    assert one_row.names == ("seq_q", ("q", 7), ("q", H * D), "ok") and one_row.meta["NKV"] == 0

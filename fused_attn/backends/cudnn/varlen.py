@@ -5,25 +5,27 @@ B_bucket = next power of two >= B (extra sequences have length 0 and repeat the 
 S_bucket = next power of two >= max_seqlen, at least 128. So a training run with random lengths
 builds a handful of graphs (the graph key never holds the token count or the exact max_seqlen).
 
-Per call (`prepare`), from cu_seqlens and the padded offsets, in a few device ops and no host
-sync: seq_q / seq_kv (B_bucket, 1, 1, 1) int32 lengths and the ragged element offsets
-(B_bucket + 1, 1, 1, 1) int32 = token offset * (heads * head dim) for each multiplier the graph
-uses, plus the value checks as one asynchronous device assertion. Memoized per
-(tensor, version) so a step's backward reuses its forward's tensors.
+Per call (`prepare`), from cu_seqlens and the padded offsets, with no host sync: seq_q / seq_kv
+(B_bucket, 1, 1, 1) int32 lengths and the ragged element offsets (B_bucket + 1, 1, 1, 1) int32 =
+token offset * (heads * head dim) for each multiplier the graph uses, plus the value checks as
+one asynchronous device assertion. On CUDA without padded offsets one Triton kernel does it all
+(`thd_kernel`); otherwise a few torch ops. Memoized per (tensor, version) so a step's backward
+reuses its forward's tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from ...memo import BoundedMemo
-from ...validation import assert_within
+from ...validation import within
+from . import thd_kernel
 
-__all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "gather_lse", "check_offset_range",
-           "scatter_lse", "MIN_SEQ_BUCKET"]
+__all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "prepare_unchecked", "gather_lse",
+           "check_offset_range", "scatter_lse", "MIN_SEQ_BUCKET", "INVALID_CU_SEQLENS"]
 
 MIN_SEQ_BUCKET = 128  # cuDNN's key tiles are 128 wide; 64 would also be a key length 64 mod 128 (see DESIGN)
 _INT32_MAX = 2**31 - 1
@@ -56,6 +58,7 @@ class ThdLayout:
     device: torch.device
     _index: Optional[torch.Tensor] = None
     _mult_tensors: Optional[Dict[str, torch.Tensor]] = None
+    _kernel_recipes: Dict[bool, Any] = field(default_factory=dict, repr=False)
 
     def index(self) -> Optional[torch.Tensor]:
         if self.batch_bucket == self.batch:
@@ -128,7 +131,32 @@ def release_prepared() -> None:
     _PREPARED.clear()
 
 
+INVALID_CU_SEQLENS = ("fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the token "
+                      "count, give lengths <= max_seqlen, and padded offsets must hold each sequence")
+
+
 def _prepare(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> ThdBatch:
+    thd, ok = prepare_unchecked(layout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits)
+    torch._assert_async(ok, INVALID_CU_SEQLENS)
+    return thd
+
+
+def prepare_unchecked(layout: ThdLayout, cu_q: torch.Tensor, cu_kv: torch.Tensor, pad_q: Optional[torch.Tensor],
+                      pad_kv: Optional[torch.Tensor], tokens: Tuple[int, int], limits: Tuple[int, int],
+                      one_kernel: bool = True) -> Tuple[ThdBatch, torch.Tensor]:
+    """(the batch's bound tensors, ok): ok is a one-element tensor, nonzero iff every value
+    check holds (rows start at 0, non-decreasing, end at the token counts, lengths <= limits,
+    padded slots hold their sequence). One Triton kernel where it serves (`thd_kernel`), else
+    torch ops; one_kernel=False forces the torch ops (the GPU test compares the two)."""
+    if one_kernel and pad_q is None and pad_kv is None:
+        got = thd_kernel.prepare(layout, cu_q, cu_kv, tokens, limits)
+        if got is not None:
+            seq_q, seq_kv, tok_q, offsets, ok = got
+            return ThdBatch(seq_q, seq_kv, tok_q, offsets), ok
+    return _prepare_ops(layout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits)
+
+
+def _prepare_ops(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> Tuple[ThdBatch, torch.Tensor]:
     # Rows: lengths sources first, token-offset sources after (deduplicated by identity).
     rows = [cu_q] if cu_kv is cu_q else [cu_q, cu_kv]
     tok_rows = []
@@ -140,7 +168,7 @@ def _prepare(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> T
     ext = stacked if idx is None else stacked.index_select(1, idx)
     n = len(rows)
     shared_row = n == 1 and pad_q is None and pad_kv is None and tokens[0] == tokens[1]
-    if shared_row:  # the lengths land in the buffer the value check reads (see _assert_valid_shared)
+    if shared_row:  # the lengths land in the buffer the value check reads (see _ok_shared)
         checked = torch.empty(ext.shape[1] + 3, dtype=ext.dtype, device=ext.device)
         lens = torch.sub(ext[0, 1:], ext[0, :-1], out=checked[:ext.shape[1] - 1]).unsqueeze(0)
     else:
@@ -159,20 +187,20 @@ def _prepare(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> T
         for i, m in enumerate(mults):
             offsets[(side, m)] = prod[i].view(-1, 1, 1, 1)
     if shared_row:
-        _assert_valid_shared(ext, checked, tokens[0], min(limits))
+        ok = _ok_shared(ext, checked, tokens[0], min(limits))
     else:
-        _assert_valid(ext, lens, n, pad_q is not None, pad_kv is not None, tokens, limits)
-    return ThdBatch(seq_q, seq_kv, tok_q, offsets)
+        ok = _ok_general(ext, lens, n, pad_q is not None, pad_kv is not None, tokens, limits)
+    return ThdBatch(seq_q, seq_kv, tok_q, offsets), ok
 
 
 _END_PATTERN = BoundedMemo(16, "cudnn.thd_end_pattern")
 
 
-def _assert_valid(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool, has_pad_kv: bool,
-                  tokens: Tuple[int, int], limits: Tuple[int, int]) -> None:
-    """One asynchronous device assertion over every value check (no host sync, four kernels
-    and a cat): rows start at 0, lengths in [0, limit] (padded slots: >= 0 and holding their
-    sequence), the token-offset rows end at the token counts."""
+def _ok_general(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool, has_pad_kv: bool,
+                tokens: Tuple[int, int], limits: Tuple[int, int]) -> torch.Tensor:
+    """Every value check as one device bool (no host sync, four kernels and a cat): rows start
+    at 0, lengths in [0, limit] (padded slots: >= 0 and holding their sequence), the
+    token-offset rows end at the token counts."""
     rows, buckets = lens.shape
     lo, hi = [], []
     for r in range(rows):
@@ -194,19 +222,17 @@ def _assert_valid(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool
         pads = [n + i for i in range(has_pad_q + has_pad_kv)]
         real = ([0] if has_pad_q else []) + ([n - 1] if has_pad_kv else [])
         also = lens[pads] >= lens[real]
-    assert_within(values, lo, hi, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at "
-                                  "the token count, give lengths <= max_seqlen, and padded offsets must hold each "
-                                  "sequence", also)
+    return within(values, lo, hi, also)
 
 
-def _assert_valid_shared(ext: torch.Tensor, checked: torch.Tensor, tokens: int, limit: int) -> None:
-    """`_assert_valid` for one offsets row serving queries and keys (self-attention, documents),
+def _ok_shared(ext: torch.Tensor, checked: torch.Tensor, tokens: int, limit: int) -> torch.Tensor:
+    """`_ok_general` for one offsets row serving queries and keys (self-attention, documents),
     with the host values as kernel scalars: `checked` (L + 4,) holds the L lengths (written by
     the prep) and gets [start, start + limit, end - tokens, end - tokens + limit]; every entry
     in [0, limit] is exactly: lengths in [0, limit], start == 0, end == tokens (int32 cannot
-    wrap into the range: tokens and limit are below 2**31). Five small kernels and the assertion;
-    the general form's pinned host->device bounds copy cost a varlen training step ~250 us of
-    host time on H200 (one run), an earlier scalar form ~110 us with two kernels more."""
+    wrap into the range: tokens and limit are below 2**31). Five small kernels; the general
+    form's pinned host->device bounds copy cost a varlen training step ~250 us of host time on
+    H200 (one run), an earlier scalar form ~110 us with two kernels more."""
     n = ext.shape[1] - 1
     row = ext[0]
     ends = row.as_strided((2, 2), (n * row.stride(0), 0))  # [[start, start], [end, end]]
@@ -215,9 +241,7 @@ def _assert_valid_shared(ext: torch.Tensor, checked: torch.Tensor, tokens: int, 
         torch.tensor([[0, -1], [0, -1]], dtype=ext.dtype, device=ext.device)))
     tail = checked[n:].view(2, 2)
     torch.sub(ends, by_tokens, alpha=tokens, out=tail).sub_(by_limit, alpha=limit)
-    ok = checked.clamp(0, limit).eq_(checked).all()
-    torch._assert_async(ok, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the "
-                            "token count and give lengths <= max_seqlen")
+    return checked.clamp(0, limit).eq_(checked).all()
 
 
 def gather_lse(stats: torch.Tensor, thd: ThdBatch, total_tokens: int) -> torch.Tensor:
