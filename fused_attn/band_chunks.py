@@ -200,19 +200,21 @@ def _views(p: Piece, seq: int, query: torch.Tensor, key: torch.Tensor, value: to
 
 
 def run_in_pieces(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any,
-                  sinks: Optional[torch.Tensor]):
+                  sinks: Optional[torch.Tensor], sig: Optional[tuple] = None):
     """out (and lse, (B, H, Sq)) of `spec` computed rectangle by rectangle, or None when the
-    call does not qualify or would not gain (the caller then runs the plain path). What to run
-    is decided once per call signature (`plan.signature`) and memoized with the rectangles'
-    runners: a repeated call does one lookup, then the kernels."""
+    call does not qualify or would not gain (the caller then runs the plain path). `sig`: the
+    call's `plan.call_signature` when the caller has it (it is the plain path's plan key too).
+    What to run is decided once per signature and memoized with the rectangles' runners: a
+    repeated call does one lookup, then the kernels."""
     if not eligible(spec):
         return None
-    from .plan import NO_VARLEN, signature, signature_records_grad
+    from .plan import NO_VARLEN, call_signature, signature_records_grad
 
-    try:
-        sig = signature(spec, query, key, value, NO_VARLEN, mod, sinks)
-    except (AttributeError, TypeError):
+    if sig is None:
+        sig = call_signature(spec, query, key, value, NO_VARLEN, mod, sinks)
+    if sig is None:
         return None  # the plain path validates and names the argument
+
     hit = _CALLS.get(sig)
     if hit is None:
         hit = (_make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig)),)

@@ -31,7 +31,7 @@ from . import validation as V
 from .layouts import logical_shape
 from .spec import AttentionSpec
 
-__all__ = ["Varlen", "StaticProblem", "CallPlan", "get_plan", "plan_info", "clear_plans", "FallbackWarning",
+__all__ = ["Varlen", "StaticProblem", "CallPlan", "get_plan", "call_signature", "plan_info", "clear_plans", "FallbackWarning",
            "Refusal", "Explanation", "NO_VARLEN"]
 
 
@@ -241,14 +241,22 @@ def plan_info() -> dict:
     return {"hits": PLANS.hits, "misses": PLANS.misses, "size": len(PLANS), "maxsize": PLANS.maxsize}
 
 
-def get_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
-             sinks: Optional[torch.Tensor] = None, force_grad: bool = False) -> CallPlan:
-    """The plan for this call: cached by signature, made (validated, backend chosen) on a miss.
-    force_grad: plan for a backward even when no input requires grad (explicit backward calls)."""
+def call_signature(spec: AttentionSpec, q: Any, k: Any, v: Any, varlen: Varlen, mod: Any,
+                   sinks: Optional[torch.Tensor], force_grad: bool = False) -> Optional[tuple]:
+    """`signature`, or None for arguments it cannot describe (not tensors: the plan's checks
+    then name the argument)."""
     try:
-        key = signature(spec, q, k, v, varlen, mod, sinks, force_grad)
+        return signature(spec, q, k, v, varlen, mod, sinks, force_grad)
     except (AttributeError, TypeError):
-        key = None
+        return None
+
+
+def get_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
+             sinks: Optional[torch.Tensor] = None, force_grad: bool = False, sig: Optional[tuple] = None) -> CallPlan:
+    """The plan for this call: cached by signature, made (validated, backend chosen) on a miss.
+    force_grad: plan for a backward even when no input requires grad (explicit backward calls).
+    sig: this call's `call_signature`, when the caller already has it."""
+    key = sig if sig is not None else call_signature(spec, q, k, v, varlen, mod, sinks, force_grad)
     if key is not None:
         plan = PLANS.get(key)
         if plan is not None:

@@ -87,6 +87,32 @@ class EmptyAutogradFunction(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+class BareCudnnFunction(torch.autograd.Function):
+    """apply(raw, q, k, v): a Python autograd.Function over the frontend's prebuilt graphs
+    (`RawSdpa`, ordered execute) that allocates what an attention call must (out and its
+    statistics; dq, dk, dv) and nothing else: no library code. Its host time is the floor of
+    any Python-level attention that runs cuDNN graphs on this host."""
+
+    @staticmethod
+    def forward(ctx, raw, q, k, v):
+        out = torch.empty_like(q)
+        lse = torch.empty(raw.lse.shape, dtype=torch.float32, device=q.device)
+        raw.run_fwd(q, k, v, out, lse)
+        ctx.raw = raw
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ctx.raw.run_bwd(q, k, v, out, grad.contiguous(), lse, dq, dk, dv)
+        return None, dq, dk, dv
+
+
+BARE = "autograd.Function over the bare cuDNN graphs (no library code)"
+
+
 def _fwd_bwds(device, gen) -> Tuple[Dict[str, Callable[[], object]], Tuple[torch.Tensor, ...]]:
     """fwd + backward of one call (grads accumulate into .grad, as in training); also returns
     (q, k, v, dO) for the gradient check."""
@@ -110,6 +136,10 @@ def _fwd_bwds(device, gen) -> Tuple[Dict[str, Callable[[], object]], Tuple[torch
                                                v.transpose(1, 2)).transpose(1, 2).backward(do)
 
         fns["torch_sdpa_cudnn"] = torch_cudnn
+        from .raw_cudnn import RawSdpa
+
+        raw = RawSdpa(q.detach(), k.detach(), v.detach(), causal=False)
+        fns[BARE] = lambda: BareCudnnFunction.apply(raw, q, k, v).backward(do)
     fns[FLOOR] = lambda: EmptyAutogradFunction.apply(q, k, v).backward(do)
     return fns, (q, k, v, do)
 
@@ -151,6 +181,10 @@ def _ratio_notes(rows: List[Dict[str, object]]) -> List[str]:
           ("fwd+bwd", "torch_sdpa_cudnn"))
     ratio("fwd+bwd host, empty Python autograd.Function vs torch SDPA (cuDNN)", ("fwd+bwd", FLOOR),
           ("fwd+bwd", "torch_sdpa_cudnn"))
+    ratio("fwd+bwd host, autograd.Function over the bare cuDNN graphs vs torch SDPA (cuDNN)", ("fwd+bwd", BARE),
+          ("fwd+bwd", "torch_sdpa_cudnn"))
+    ratio("fwd+bwd host, functional vs the autograd.Function over the bare cuDNN graphs",
+          ("fwd+bwd", "fused_attn functional"), ("fwd+bwd", BARE))
     if us.get(("fwd", "fused_attn module")) and us.get(("fwd", "fused_attn functional")):
         notes.append(f"fwd host, module minus functional: "
                      f"{us[('fwd', 'fused_attn module')] - us[('fwd', 'fused_attn functional')]:+.1f} us")

@@ -68,6 +68,8 @@ class RawSdpa:
             self.do = torch.empty_like(q)
             self._bwd_graph, self._bwd_pack = self._backward_graph(b, s, h, hkv, d)
             self._bwd_ws = torch.empty(self._bwd_graph.get_workspace_size(), device=q.device, dtype=torch.uint8)
+            self._bwd_uids = [t.get_uid() for t in self._bwd_pack]  # q, k, v, o, dO, stats, dq, dk, dv
+        self._fwd_uids = [t.get_uid() for t in self._fwd_pack]  # q, k, v, o, stats
 
     def _new_graph(self):
         import cudnn
@@ -140,6 +142,22 @@ class RawSdpa:
         uids, bufs = self._fwd_ordered
         self._fwd_graph.execute(bufs, self._fwd_ws, handle=self.handle, tensor_uids=uids)
         return self.out
+
+    def run_fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                lse: torch.Tensor) -> None:
+        """The forward graph on caller buffers (the construction's shapes and strides; lse
+        (B, H, S, 1) fp32) through the ordered execute."""
+        self._set_stream()
+        self._fwd_graph.execute([q, k, v, out, lse], self._fwd_ws, handle=self.handle, tensor_uids=self._fwd_uids)
+
+    def run_bwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, do: torch.Tensor,
+                lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """The backward graph on caller buffers (see `run_fwd`)."""
+        if self._bwd_graph is None:
+            raise ValueError("RawSdpa was built with backward=False; run_bwd is not available")
+        self._set_stream()
+        self._bwd_graph.execute([q, k, v, out, do, lse, dq, dk, dv], self._bwd_ws, handle=self.handle,
+                                tensor_uids=self._bwd_uids)
 
     def fwd_bwd(self, do: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward then backward with upstream gradient `do` (B, S, H, D); returns (out, dq, dk, dv)."""
