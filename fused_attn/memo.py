@@ -14,6 +14,12 @@ check identity on a hit::
     if value is None:
         value = compute(...)
         _PREPARED.put_identity(key, objs, value)   # the entry keeps objs alive while cached
+
+Identity entries hold values computed from the objects' contents on their device. While a CUDA
+graph is being captured on the current stream of a CUDA tensor among the objects, identity
+lookups miss and stores are dropped: captured kernels do not run at capture, and every replay
+recomputes from the tensors' new contents (a hit would bake the warm-up's values into the
+graph; an entry stored then would hold buffers nothing has written).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import threading
 from operator import is_
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Generic, Hashable, NamedTuple, Optional, TypeVar
+
+import torch
 
 __all__ = ["BoundedMemo", "MemoInfo"]
 
@@ -62,6 +70,19 @@ class _Pending:
         self.owner = threading.get_ident()
         self.value: Any = _MISSING
         self.error: Optional[BaseException] = None
+
+
+#: a CPU-only torch has no capture to ask about (its query raises; CUDA fake tensors exist there)
+_CUDA_BUILT = torch.backends.cuda.is_built()
+
+
+def _capturing(objects: tuple) -> bool:
+    """Whether the current stream of the first CUDA tensor among `objects` is capturing a CUDA
+    graph (see the module docstring)."""
+    for obj in objects:
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            return _CUDA_BUILT and torch.cuda.is_current_stream_capturing()
+    return False
 
 
 def _same(stored: tuple, objects: tuple) -> bool:
@@ -126,7 +147,12 @@ class BoundedMemo(Generic[K, V]):
         """The value stored by `put_identity(key, objects', value)` if `objects'` are the very
         same objects (`is`, element by element) as `objects`; otherwise `default` (a miss).
 
-        Identity entries are read with this method only: plain `get` returns them wrapped."""
+        Identity entries are read with this method only: plain `get` returns them wrapped.
+        Always a miss during CUDA graph capture (module docstring)."""
+        if _capturing(objects):
+            with self._lock:
+                self._misses += 1
+            return default
         lock = self._lock
         lock.acquire()
         try:
@@ -204,9 +230,12 @@ class BoundedMemo(Generic[K, V]):
         self._notify(evicted)
 
     def put_identity(self, key: K, objects: tuple, value: V) -> None:
-        """Store `value` with `objects` (kept alive by the entry) for `get_identity`."""
+        """Store `value` with `objects` (kept alive by the entry) for `get_identity`; nothing
+        during CUDA graph capture (module docstring)."""
         if not isinstance(objects, tuple):
             raise TypeError(f"BoundedMemo {self._name!r}: objects must be a tuple, got {type(objects).__name__}")
+        if _capturing(objects):
+            return
         self.put(key, _Pinned(objects, value))  # type: ignore[arg-type]
 
     def pop(self, key: K, default: Optional[V] = None) -> Optional[V]:

@@ -289,3 +289,31 @@ def test_thread_hammer():
     assert info.size == len(m) <= maxsize
     assert info.hits + info.misses == sum(lookups)
     assert info.evictions > 0
+
+
+def test_identity_entries_neither_serve_nor_store_during_cuda_graph_capture(monkeypatch):
+    """A captured graph replays its kernels on new tensor contents: an identity hit would bake the
+    warm-up's device values into it (capture itself is simulated: fake CUDA tensors on the CPU)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fused_attn import memo as memo_module
+
+    monkeypatch.setattr(memo_module, "_CUDA_BUILT", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cu = torch.empty(5, dtype=torch.int32, device="cuda")
+    assert cu.is_cuda
+    memo = BoundedMemo(4, "capture")
+    memo.put_identity(("k",), (cu,), "warm-up value")
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert memo.get_identity(("k",), (cu,)) is None  # capture: recompute, do not reuse
+    memo.put_identity(("k2",), (cu,), "captured buffers")
+    capturing[0] = False
+    assert memo.get_identity(("k2",), (cu,)) is None  # nothing was stored during capture
+    assert memo.get_identity(("k",), (cu,)) == "warm-up value"  # eager calls still hit
+    cpu = torch.zeros(3)
+    capturing[0] = True
+    memo.put_identity(("c",), (cpu,), 1)  # no CUDA tensor among the objects: capture is irrelevant
+    assert memo.get_identity(("c",), (cpu,)) == 1

@@ -1,0 +1,113 @@
+"""GPU: packed calls captured in a CUDA graph follow new cu_seqlens / document tables at replay.
+
+A graph records its kernels once and each replay reruns them on the captured tensors' current
+contents, so whatever the library derives from cu_seqlens on the device (lengths, ragged
+offsets, document offsets, the value checks; memoized per tensor for eager calls) must be
+captured, not served from the warm-up's memo. Each test warms up on a side stream, captures
+forward + backward, writes new lengths and new inputs into the static tensors, replays, and
+compares every sequence with float64 (the project's tolerance rule).
+"""
+
+import math
+
+import pytest
+import torch
+
+import fused_attn
+from fused_attn.testing import assert_close, grad_tolerances, reference_attention, tolerance
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+H, D = 4, 64
+
+
+def _capture(step, leaves):
+    """Warm up `step` twice on a side stream, then capture it; returns (graph, its output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for t in leaves:
+                t.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def _check_sequences(out, grads, q, k, v, do, spans, causal, label):
+    """Each (start, length) span of the packed (T, H, D) tensors against float64."""
+    scale = 1 / math.sqrt(D)
+    for start, n in spans:
+        if n == 0:
+            continue
+        view = lambda t: t[start:start + n].detach().transpose(0, 1)[None]  # noqa: E731
+        ql, kl, vl, dol = view(q), view(k), view(v), view(do)
+        mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril() if causal else None
+        exact, _ = reference_attention(ql, kl, vl, scale, mask)
+        assert_close(view(out), exact, tolerance(ql, kl, vl, scale, ql.dtype, mask), f"{label} out [{start}:+{n}]")
+        want, bounds = grad_tolerances(ql, kl, vl, dol, scale, ql.dtype, mask)
+        for name, g, w, bound in zip(("dq", "dk", "dv"), grads, want, bounds):
+            assert_close(view(g), w, bound, f"{label} {name} [{start}:+{n}]")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_attn_graph_replays_new_lengths(causal):
+    tokens, limit = 512, 256
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(tokens, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(tokens, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, 100, 300, 512], dtype=torch.int32, device="cuda")
+    window = (-1, 0) if causal else (-1, -1)
+
+    def step():
+        out = fused_attn.varlen_attn(q, k, v, cu, cu, limit, limit, window_size=window)
+        out.backward(do)
+        return out
+
+    graph, out = _capture(step, (q, k, v))
+    lengths = [200, 56, 256]  # new boundaries, same token count and max_seqlen bucket
+    with torch.no_grad():
+        cu.copy_(torch.tensor([0, 200, 256, 512], dtype=torch.int32))
+        for t in (q, k, v, do):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    spans = [(0, 200), (200, 56), (256, 256)]
+    assert [n for _, n in spans] == lengths
+    _check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, do, spans, causal, "replay")
+
+
+def test_doc_packed_graph_replays_new_documents():
+    batch, seq = 2, 256
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = (torch.randn(batch, seq, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(batch, seq, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    table = torch.tensor([[0, 64, 192, 256], [0, 128, 256, 256]], dtype=torch.int32, device="cuda")
+
+    def step():
+        out = fused_attn.doc_packed_attn(q, k, v, table, is_causal=True, max_doc_len=seq)
+        out.backward(do)
+        return out
+
+    graph, out = _capture(step, (q, k, v))
+    new = [[0, 10, 100, 256], [0, 30, 31, 256]]
+    with torch.no_grad():
+        table.copy_(torch.tensor(new, dtype=torch.int32))
+        for t in (q, k, v, do):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    flat = lambda t: t.reshape(batch * seq, H, D)  # noqa: E731
+    spans = [(row * seq + a, b - a) for row, bounds in enumerate(new) for a, b in zip(bounds, bounds[1:])]
+    _check_sequences(flat(out), [flat(t.grad) for t in (q, k, v)], flat(q), flat(k), flat(v), flat(do), spans,
+                     True, "replay")
