@@ -111,3 +111,15 @@ def test_doc_packed_graph_replays_new_documents():
     spans = [(row * seq + a, b - a) for row, bounds in enumerate(new) for a, b in zip(bounds, bounds[1:])]
     _check_sequences(flat(out), [flat(t.grad) for t in (q, k, v)], flat(q), flat(k), flat(v), flat(do), spans,
                      True, "replay")
+
+
+def test_doc_packed_host_table_is_refused_inside_capture():
+    """A CPU table is read on the host: a graph would replay its capture-time documents forever."""
+    q = torch.randn(1, 128, H, D, device="cuda", dtype=torch.bfloat16)
+    table = torch.tensor([[0, 64, 128]], dtype=torch.int32)
+    fused_attn.doc_packed_attn(q, q, q, table)  # eager: fine
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side), pytest.raises(ValueError, match="CPU boundary table"):
+        with torch.cuda.graph(graph):
+            fused_attn.doc_packed_attn(q, q, q, table)
