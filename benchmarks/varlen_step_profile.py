@@ -94,6 +94,22 @@ def dense_pieces():
         "dense module fwd+bwd": lambda: module(qg, kg, vg).backward(do),
         "dense empty Function fwd+bwd": lambda: EmptyAutogradFunction.apply(qg, kg, vg).backward(do),
     }
+    import score_mods
+
+    cap = score_mods.softcap(30.0)
+    for label, kw in (("softcap", {}), ("softcap + causal", {"attn_mask_type": "causal"})):
+        pieces[f"dense {label} fwd (public call)"] = (
+            lambda kw=kw: fused_attn.dot_product_attention(q, k, v, score_mod=cap, backend="cudnn", **kw))
+        s_spec, s_mod = resolve_spec(backend="cudnn", score_mod=cap, **kw)
+        s_runner = get_plan(s_spec, s_mod, q, k, v, NO_VARLEN).runner
+        s_out, _, s_saved, s_state = s_runner.forward(q, k, v, NO_VARLEN, s_mod, None)
+        s_bind = dict(s_state[0], o=s_out, stats=s_saved[4])
+        compiled = s_runner.graphs.get("fwd")
+        print(f"{label}: {len(compiled.slots)} graph slots {sorted(compiled.slots)}")
+        pieces[f"dense {label} graphs.run fwd (prepared bind)"] = (
+            lambda r=s_runner, b=s_bind: r.graphs.run("fwd", b))
+        pieces[f"dense {label} runner.forward"] = (
+            lambda r=s_runner, m=s_mod: r.forward(q, k, v, NO_VARLEN, m, None))
     rows = {name: isolated_us(fn, 500) for name, fn in pieces.items()}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

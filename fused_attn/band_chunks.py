@@ -33,6 +33,7 @@ import torch
 
 from .autograd import attention, check_mod_unchanged
 from .memo import BoundedMemo
+from .plan import NO_VARLEN, call_signature, get_plan, signature_records_grad
 from .problem import Band
 from .spec import AttentionSpec
 
@@ -206,18 +207,16 @@ def run_in_pieces(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: An
     call's `plan.call_signature` when the caller has it (it is the plain path's plan key too).
     What to run is decided once per signature and memoized with the rectangles' runners: a
     repeated call does one lookup, then the kernels."""
-    if not eligible(spec):
-        return None
-    from .plan import NO_VARLEN, call_signature, signature_records_grad
-
     if sig is None:
+        if not eligible(spec):
+            return None
         sig = call_signature(spec, query, key, value, NO_VARLEN, mod, sinks)
-    if sig is None:
-        return None  # the plain path validates and names the argument
-
-    hit = _CALLS.get(sig)
+        if sig is None:
+            return None  # the plain path validates and names the argument
+    hit = _CALLS.get(sig)  # the key holds the spec: an ineligible one is memoized as "not served" too
     if hit is None:
-        hit = (_make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig)),)
+        served = eligible(spec)
+        hit = (_make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig)) if served else None,)
         _CALLS.put(sig, hit)
     call = hit[0]
     if call is None:
@@ -256,7 +255,6 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
     scores = query.numel() // max(1, query.shape[-1]) * skv
     if pieces is None or not pays(pieces, scores, query.shape[-1], grad):
         return None
-    from .plan import NO_VARLEN, get_plan
 
     def runners(parts, force_grad):
         q, k, v = (query, key, value) if force_grad else (query.detach(), key.detach(), value.detach())
@@ -278,7 +276,6 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
 def _forward(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any,
              sinks: Optional[torch.Tensor]):
     """(out, lse (B, H, Sq), fp32 or the float64 of float64 inputs): each query chunk in place."""
-    from .plan import NO_VARLEN
 
     seq = call.seq
     out = torch.empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype=query.dtype, device=query.device)
@@ -311,7 +308,6 @@ class BandChunks(torch.autograd.Function):
     def backward(ctx, grad_out: Optional[torch.Tensor], _grad_lse: Optional[torch.Tensor]):
         if grad_out is None:
             return None, None, None, None, None, None
-        from .plan import NO_VARLEN
 
         call, mod = ctx.call, ctx.mod
         check_mod_unchanged(mod, ctx.mod_values)
