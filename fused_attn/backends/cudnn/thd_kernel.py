@@ -5,8 +5,9 @@ binds and the value checks read: the lengths seq_q / seq_kv (B_bucket,), the ext
 offsets (B_bucket+1,) when the batch is bucketed, the ragged element offsets token offset x
 multiplier (B_bucket+1,) per multiplier, and one int32 flag, nonzero iff every value check holds
 (each row starts at 0, is non-decreasing, ends at its token count, lengths <= max_seqlen). The
-torch-op form of the same preparation takes eight small kernels; on an H200 host (one run,
-sync-isolated host time per call) that was 182 us against 17 us for this launch.
+torch-op form of the same preparation takes eight small kernels: on H200 hosts (sync-isolated
+host time per call, `benchmarks/varlen_step_profile.py`) 147-190 us against 64-69 us for this
+form with its buffer, views and the caller's device assertion (the launch alone: 17 us).
 
 It serves rows without padded offsets, at most two multipliers per side and batches up to
 `MAX_BATCH_BUCKET`; anything else, CPU tensors, and a torch without Triton (torch's CUDA wheels
@@ -17,7 +18,7 @@ test over the value-check cases and random batches).
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
