@@ -72,16 +72,14 @@ class _Pending:
         self.error: Optional[BaseException] = None
 
 
-#: a CPU-only torch has no capture to ask about (its query raises; CUDA fake tensors exist there)
-_CUDA_BUILT = torch.backends.cuda.is_built()
-
-
 def _capturing(objects: tuple) -> bool:
     """Whether the current stream of the first CUDA tensor among `objects` is capturing a CUDA
-    graph (see the module docstring)."""
+    graph (see the module docstring). Capture needs an initialized CUDA context; without one
+    (fake CUDA tensors while tracing, a torch without CUDA) the query would raise, and the answer
+    is no."""
     for obj in objects:
         if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            return _CUDA_BUILT and torch.cuda.is_current_stream_capturing()
+            return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
     return False
 
 
