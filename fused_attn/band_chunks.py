@@ -276,7 +276,6 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
 def _forward(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any,
              sinks: Optional[torch.Tensor]):
     """(out, lse (B, H, Sq), fp32 or the float64 of float64 inputs): each query chunk in place."""
-
     seq = call.seq
     out = torch.empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype=query.dtype, device=query.device)
     lse = None
@@ -308,7 +307,6 @@ class BandChunks(torch.autograd.Function):
     def backward(ctx, grad_out: Optional[torch.Tensor], _grad_lse: Optional[torch.Tensor]):
         if grad_out is None:
             return None, None, None, None, None, None
-
         call, mod = ctx.call, ctx.mod
         check_mod_unchanged(mod, ctx.mod_values)
         query, key, value, out, lse = ctx.saved_tensors

@@ -93,11 +93,11 @@ class _Recipe:
     """What one (layout, shared row or not) needs per call: the launch's constant arguments
     and the outputs' order and sizes in the one int32 buffer."""
 
-    __slots__ = ("size", "sizes", "names", "consts", "mults", "meta", "kv_row", "ext")
+    __slots__ = ("size", "sizes", "names", "consts", "mults", "meta", "ext")
 
     def __init__(self, layout: Any, kv_row: bool, next_pow2: Any) -> None:
         bb = layout.batch_bucket
-        self.kv_row, self.ext = kv_row, bb != layout.batch
+        self.ext = bb != layout.batch
         nq = len(layout.q_mults)
         nkv = 0 if not kv_row and layout.kv_mults == layout.q_mults else len(layout.kv_mults)
         self.consts = (layout.batch, bb)
