@@ -116,6 +116,7 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
     if torch.compiler.is_compiling() or not isinstance(cu_seq, torch.Tensor) or _is_fake(cu_seq):
         check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
         return doc_cu_seqlens(cu_seq, seq_len).to(device), None
+    # before the memo: a CPU table's entry is not a CUDA tensor's, so capture does not make it miss
     if device.type == "cuda" and cu_seq.device.type == "cpu" and torch.cuda.is_current_stream_capturing():
         raise ValueError("cu_seq is a CPU boundary table, read on the host: a CUDA graph would replay the documents "
                          "of its capture whatever the table holds later; to capture doc_packed_attn pass the table "

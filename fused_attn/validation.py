@@ -298,11 +298,28 @@ def within(values: torch.Tensor, lo: List[int], hi: List[int], also: Optional[to
 
     The bounds travel as one small host->device copy (pinned, non-blocking on CUDA), so the
     check is a clamp, a comparison and a reduction whatever the number of conditions, and no
-    host synchronisation."""
-    bounds = torch.tensor([lo, hi], dtype=values.dtype, pin_memory=values.device.type == "cuda")
-    bounds = bounds.to(values.device, non_blocking=True)
-    ok = values.clamp(bounds[0], bounds[1]).eq_(values).all()
+    host synchronisation. While a CUDA graph is being captured the copy would read, at every
+    replay, a pinned buffer the graph does not own: the bounds then go in as kernel scalars
+    (`within_by_runs`)."""
+    if values.is_cuda and torch.cuda.is_current_stream_capturing():
+        ok = within_by_runs(values, lo, hi)
+    else:
+        bounds = torch.tensor([lo, hi], dtype=values.dtype, pin_memory=values.device.type == "cuda")
+        bounds = bounds.to(values.device, non_blocking=True)
+        ok = values.clamp(bounds[0], bounds[1]).eq_(values).all()
     return ok if also is None else ok & also.all()
+
+
+def within_by_runs(values: torch.Tensor, lo: List[int], hi: List[int]) -> torch.Tensor:
+    """`within` without a host->device copy: one clamp against kernel scalars per run of equal
+    (lo, hi) bounds (a few runs: the bounds of cu_seqlens checks repeat per row)."""
+    oks, start = [], 0
+    for i in range(1, len(lo) + 1):
+        if i == len(lo) or lo[i] != lo[start] or hi[i] != hi[start]:
+            part = values[start:i]
+            oks.append(part.clamp(lo[start], hi[start]).eq_(part).all())
+            start = i
+    return torch.stack(oks).all()
 
 
 def assert_within(values: torch.Tensor, lo: List[int], hi: List[int], message: str,

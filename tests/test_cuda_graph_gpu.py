@@ -123,3 +123,64 @@ def test_doc_packed_host_table_is_refused_inside_capture():
     with torch.cuda.stream(side), pytest.raises(ValueError, match="CPU boundary table"):
         with torch.cuda.graph(graph):
             fused_attn.doc_packed_attn(q, q, q, table)
+
+
+def test_dense_padding_graph_replays_new_lengths():
+    """bshd with attn_mask_type="padding": the cu_seqlens value check is captured with its bounds
+    as kernel scalars (a captured host->device copy would read a buffer the graph does not own)."""
+    batch, seq = 3, 128
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(batch, seq, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(batch, seq, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, 50, 178, 300], dtype=torch.int32, device="cuda")
+
+    def step():
+        out = fused_attn.dot_product_attention(q, k, v, attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                               backend="cudnn")
+        out.backward(do)
+        return out
+
+    graph, out = _capture(step, (q, k, v))
+    lengths = [128, 7, 90]
+    with torch.no_grad():
+        cu.copy_(torch.tensor([0, 128, 135, 225], dtype=torch.int32))
+        for t in (q, k, v, do):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    flat = lambda t: t.reshape(batch * seq, H, D)  # noqa: E731
+    spans = [(b * seq, n) for b, n in enumerate(lengths)]
+    _check_sequences(flat(out), [flat(t.grad) for t in (q, k, v)], flat(q), flat(k), flat(v), flat(do), spans,
+                     False, "replay")
+    for b, n in enumerate(lengths):  # rows past a length: output and gradients 0
+        for name, t in (("out", out), ("dq", q.grad)):
+            assert_close(t[b, n:].float(), torch.zeros_like(t[b, n:].float()), 0.0, f"{name} past length {b}")
+
+
+def test_thd_with_padded_offsets_graph_replays_new_lengths():
+    """thd with cu_seqlens_*_padded (the torch-op preparation, its general check) under capture."""
+    tokens, limit = 300, 128
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v = (torch.randn(tokens, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(tokens, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
+    pad = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
+
+    def step():
+        out = fused_attn.dot_product_attention(q, k, v, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                               cu_seqlens_q_padded=pad, cu_seqlens_kv_padded=pad, max_seqlen_q=limit,
+                                               max_seqlen_kv=limit, backend="cudnn")
+        out.backward(do)
+        return out
+
+    graph, out = _capture(step, (q, k, v))
+    with torch.no_grad():
+        cu.copy_(torch.tensor([0, 60, 180, 300], dtype=torch.int32))
+        pad.copy_(torch.tensor([0, 60, 180, 300], dtype=torch.int32))
+        for t in (q, k, v, do):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, do, [(0, 60), (60, 120), (180, 120)], False, "replay")

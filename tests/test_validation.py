@@ -196,3 +196,22 @@ def test_device_value_check_each_condition(case):
     else:
         with pytest.raises(RuntimeError, match="invalid cu_seqlens"):
             validation._check_values_on_device(names, tensors, tokens, limits)
+
+
+def test_within_by_runs_equals_the_copied_bounds_form():
+    """The capture-time form (bounds as kernel scalars, one clamp per run of equal bounds) says
+    what the copied-bounds form says, over random values and bounds with repeated runs."""
+    import random
+
+    from fused_attn.validation import within, within_by_runs
+
+    rng = random.Random(3)
+    for _ in range(300):
+        runs = [(rng.randrange(-3, 4), rng.randrange(0, 8), rng.randrange(1, 6)) for _ in range(rng.randrange(1, 5))]
+        lo, hi = [], []
+        for a, width, n in runs:
+            lo += [a] * n
+            hi += [a + width] * n
+        values = torch.tensor([rng.randrange(-5, 14) for _ in lo], dtype=torch.int32)
+        assert bool(within_by_runs(values, lo, hi)) == bool(within(values, lo, hi))
+        assert bool(within_by_runs(values, lo, hi)) == all(a <= int(v) <= b for v, a, b in zip(values, lo, hi))

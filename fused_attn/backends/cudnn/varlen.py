@@ -221,7 +221,8 @@ def _ok_general(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool, 
     if has_pad_q or has_pad_kv:
         pads = [n + i for i in range(has_pad_q + has_pad_kv)]
         real = ([0] if has_pad_q else []) + ([n - 1] if has_pad_kv else [])
-        also = lens[pads] >= lens[real]
+        # row by row: indexing with a list would copy it host->device (refused inside CUDA graph capture)
+        also = torch.stack([lens[p] >= lens[r] for p, r in zip(pads, real)])
     return within(values, lo, hi, also)
 
 
