@@ -8,7 +8,9 @@ band is cut into rectangles, each a complete sub-attention with a band of its ow
 * forward: query chunks [q0, q1), each over the keys [k0, k1) its rows can reach;
 * backward: key chunks [k0, k1), each with the queries [q0, q1) that reach them, from the
   forward's output and log-sum-exp (cuDNN's backward reads exactly O and Stats, so a key
-  subset with the full rows' lse gives that subset's exact dK, dV and its share of dQ).
+  subset with the full rows' lse gives that subset's exact dK, dV and its share of dQ); or,
+  where its rectangles' fixed costs outweigh the tiles they skip, the plain call's backward
+  from that same stitched output and lse.
 
 In global positions query i sees key j iff lo <= j - i <= hi (lo = shift - left or unbounded,
 hi = shift + right, shift = Skv - Sq for a bottom-right band, else 0). A rectangle at (q0, k0)
@@ -20,46 +22,54 @@ forward's key ranges start where the band does.
 
 Exact only when the score_mod reads no position and no length (they would be the
 rectangle's) and indexes no tensor by position; dense layouts without padding or dropout;
-no trained score_mod tables or sinks (their gradients are not split). Whether it pays is
-estimated per call signature from the work it saves and the host time it adds (`pays`).
+no trained score_mod tables or sinks (their gradients are not split). Whether and how to cut
+is estimated per call signature from the GPU work it saves and the host time it adds
+(`strategy`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .autograd import attention, check_mod_unchanged
 from .memo import BoundedMemo
-from .plan import NO_VARLEN, call_signature, get_plan, signature_records_grad
+from .plan import NO_VARLEN, CallPlan, call_signature, get_plan, signature_records_grad
 from .problem import Band
 from .spec import AttentionSpec
 
-__all__ = ["Piece", "Pieces", "eligible", "bounds", "plan_pieces", "run_in_pieces", "BandChunks",
-           "pays", "PLAIN_NS_PER_SCORE_DIM", "HOST_NS_PER_PIECE", "clear_memos", "CAUSAL_CHUNKS", "WINDOW_CHUNK"]
+__all__ = ["Piece", "Pieces", "eligible", "bounds", "plan_pieces", "route", "run_call", "run_in_pieces", "BandChunks",
+           "strategy", "PLAIN_NS_PER_SCORE_DIM", "PIECE_NS_PER_QUERY_ELEMENT", "HOST_NS_CALL",
+           "HOST_NS_PER_PIECE", "clear_memos", "CAUSAL_CHUNKS", "WINDOW_CHUNK"]
 
 TILE = 128
-#: When cutting pays: the GPU time the rectangles save against the host time they add, both
-#: from one H200 run (softcap(50), bf16, B2 H16/4 S4096 D64; the host of that machine). The
-#: plain call's GPU time per (score x head dim), forward / forward + backward: 0.575 ms and
-#: 1.55 ms over 2^29 scores x 64. Host time per rectangle: ~90 us in a forward without
-#: gradients, ~250 us per rectangle of a training call (its forward and backward rectangles,
-#: their copies and the autograd node). GPU ms plain -> rectangles measured there: causal
-#: forward 0.58 -> 0.42, forward + backward 1.55 -> 1.35 (host 0.7 -> 2.1 ms); a 1024-token
-#: window 0.74 -> 0.38 and 1.83 -> 1.19; that window at B1 S8192 1.46 -> 0.42 and 3.57 -> 1.21.
-#: A call is cut only when the estimated saving exceeds the added host time, so a host-bound
-#: loop (a training step of a small model) never pays for it.
-PLAIN_NS_PER_SCORE_DIM = (0.575e6 / (2 ** 29 * 64), 1.55e6 / (2 ** 29 * 64))  # indexed by grad
-HOST_NS_PER_PIECE = (90e3, 250e3)  # indexed by grad
+#: The cost model (`strategy`), fitted to one H200 run (softcap(50), bf16, D64: B2 H16/4 S4096
+#: and B1 H16/4 S8192, causal and a 1024-token window, each strategy forced). GPU: the plain
+#: call's forward and backward per (score x head dim), 0.596 ms and 1.008 ms over 2^29 scores x
+#: 64; a rectangle's share in proportion to its area, plus a fixed cost per rectangle in
+#: proportion to the query's elements (B * H * Sq * D: its output, lse and dQ traffic), ~16 us
+#: forward and ~80 us backward at 2^23 elements. Host, enqueued behind busy kernels: the plain
+#: call (forward; training call with its backward) and per rectangle (forward without gradients;
+#: forward in a training call; backward). A call's time is estimated as host + GPU time: inside
+#: a model the host is busy with everything else too (a Gemma-2-style model, 8 layers at B4
+#: S2048, trained 12% slower with its window layers cut, although each cut call alone ran faster
+#: back to back). Measured call by call, back to back, ms (plain -> query rectangles + plain
+#: backward -> rectangles both ways): causal S4096 training 1.60 -> 1.45 -> 1.85, forward only
+#: 0.58 -> 0.43; window S4096 training 1.88 -> 1.55 -> 2.23; causal S8192 3.05 -> 2.69 -> 2.26;
+#: window S8192 3.64 -> 2.65 -> 3.23, forward only 1.48 -> 1.00.
+PLAIN_NS_PER_SCORE_DIM = (0.596e6 / (2 ** 29 * 64), 1.008e6 / (2 ** 29 * 64))  # forward, backward
+PIECE_NS_PER_QUERY_ELEMENT = (16e3 / 2 ** 23, 80e3 / 2 ** 23)  # forward, backward rectangle
+HOST_NS_CALL = (70e3, 450e3)  # indexed by grad
+HOST_NS_PER_PIECE = (100e3, 140e3, 240e3)  # forward rectangle without / with gradients; backward
 CAUSAL_CHUNKS = 4  # chunks of an unbounded (causal) band
 WINDOW_CHUNK = 1024  # rows per chunk of a window band (at least the window, rounded to the tile)
 _SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2}
 _ELIGIBLE = BoundedMemo(128, "band_chunks.eligible")
 _PIECES = BoundedMemo(256, "band_chunks.pieces")
 _SPECS = BoundedMemo(512, "band_chunks.spec")
-_CALLS = BoundedMemo(256, "band_chunks.calls")  # call signature -> (_Call or None,)
+_ROUTES = BoundedMemo(256, "band_chunks.routes")  # call signature -> _Call or the plain CallPlan
 
 
 class Piece(NamedTuple):
@@ -77,6 +87,7 @@ class Pieces(NamedTuple):
     forward: Tuple[Piece, ...]  # query chunks covering [0, Sq)
     backward: Tuple[Piece, ...]  # key chunks covering [0, Skv)
     work: float  # the forward pieces' area over Sq * Skv
+    backward_work: float = 1.0  # the backward pieces' area over Sq * Skv
 
 
 def eligible(spec: AttentionSpec) -> bool:
@@ -154,7 +165,7 @@ def _plan(band: Band, sq: int, skv: int) -> Optional[Pieces]:
             return None
         forward.append(piece)
         area += (q1 - q0) * (k1 - k0)
-    backward = []
+    backward, back_area = [], 0
     for k0, k1 in k_chunks:
         q0 = max(0, k0 - hi)
         q1 = sq if lo is None else min(sq, k1 - lo)
@@ -165,15 +176,26 @@ def _plan(band: Band, sq: int, skv: int) -> Optional[Pieces]:
         if piece is None:
             return None
         backward.append(piece)
-    return Pieces(tuple(forward), tuple(backward), area / (sq * skv))
+        back_area += (q1 - q0) * (k1 - k0)
+    return Pieces(tuple(forward), tuple(backward), area / (sq * skv), back_area / (sq * skv))
 
 
-def pays(pieces: Pieces, scores: int, head_dim: int, grad: bool) -> bool:
-    """Whether cutting a call of `scores` (B * H * Sq * Skv) is estimated to save more GPU time
-    than the host time its rectangles add (see PLAIN_NS_PER_SCORE_DIM, HOST_NS_PER_PIECE)."""
-    saving = (1.0 - pieces.work) * scores * head_dim * PLAIN_NS_PER_SCORE_DIM[grad]
-    count = len(pieces.forward) + (len(pieces.backward) if grad else 0)
-    return saving > count * HOST_NS_PER_PIECE[grad]
+def strategy(pieces: Pieces, scores: int, head_dim: int, grad: bool, query_elements: int) -> Optional[str]:
+    """How to run a call of `scores` (B * H * Sq * Skv) whose band cuts into `pieces`: None (the
+    plain call), "forward" (query rectangles; with gradients, the plain backward from their
+    stitched output and lse) or "both" (query rectangles forward, key rectangles backward).
+    query_elements: B * H * Sq * D. Each is estimated as host + GPU time (see
+    PLAIN_NS_PER_SCORE_DIM); ties keep the plain call."""
+    work = scores * head_dim
+    g_fwd, g_bwd = work * PLAIN_NS_PER_SCORE_DIM[0], (work * PLAIN_NS_PER_SCORE_DIM[1] if grad else 0.0)
+    nf, nb = len(pieces.forward), len(pieces.backward)
+    cut_fwd = pieces.work * g_fwd + nf * query_elements * PIECE_NS_PER_QUERY_ELEMENT[0]
+    host = HOST_NS_CALL[grad] + nf * HOST_NS_PER_PIECE[1 if grad else 0]
+    options = {None: HOST_NS_CALL[grad] + g_fwd + g_bwd, "forward": host + cut_fwd + g_bwd}
+    if grad:
+        cut_bwd = pieces.backward_work * g_bwd + nb * query_elements * PIECE_NS_PER_QUERY_ELEMENT[1]
+        options["both"] = host + nb * HOST_NS_PER_PIECE[2] + cut_fwd + cut_bwd
+    return min(options, key=options.__getitem__)
 
 
 def piece_spec(spec: AttentionSpec, band: Band) -> AttentionSpec:
@@ -200,46 +222,62 @@ def _views(p: Piece, seq: int, query: torch.Tensor, key: torch.Tensor, value: to
             value.narrow(seq, p.k0, p.k1 - p.k0))
 
 
-def run_in_pieces(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any,
-                  sinks: Optional[torch.Tensor], sig: Optional[tuple] = None):
-    """out (and lse, (B, H, Sq)) of `spec` computed rectangle by rectangle, or None when the
-    call does not qualify or would not gain (the caller then runs the plain path). `sig`: the
-    call's `plan.call_signature` when the caller has it (it is the plain path's plan key too).
-    What to run is decided once per signature and memoized with the rectangles' runners: a
-    repeated call does one lookup, then the kernels."""
-    if sig is None:
-        if not eligible(spec):
-            return None
-        sig = call_signature(spec, query, key, value, NO_VARLEN, mod, sinks)
-        if sig is None:
-            return None  # the plain path validates and names the argument
-    hit = _CALLS.get(sig)  # the key holds the spec: an ineligible one is memoized as "not served" too
+def route(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor],
+          sig: tuple) -> Union["_Call", CallPlan]:
+    """How a call of `spec` with call signature `sig` runs: its rectangles (`_Call`), or the plain
+    path's plan when rectangles do not serve it or would not gain. Decided once per signature;
+    a repeated call is one lock-free lookup (no more than the plain path's own plan lookup)."""
+    hit = _ROUTES.peek(sig)  # the key holds the spec: an ineligible one is memoized as the plain plan
     if hit is None:
-        served = eligible(spec)
-        hit = (_make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig)) if served else None,)
-        _CALLS.put(sig, hit)
-    call = hit[0]
-    if call is None:
-        return None
-    if call.backward:
+        call = _make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig)) if eligible(spec) else None
+        hit = call if call is not None else get_plan(spec, mod, query, key, value, NO_VARLEN, sinks, sig=sig)
+        _ROUTES.put(sig, hit)
+    return hit
+
+
+def run_call(call: "_Call", spec: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor, sinks: Optional[torch.Tensor]):
+    """out (and lse (B, H, Sq) when the spec returns it) of a call `route` cut into rectangles."""
+    if call.trains:
         out, lse = BandChunks.apply(call, mod, sinks, query, key, value)
     else:
         out, lse = _forward(call, query, key, value, mod, sinks)
     return (out, lse) if spec.return_lse else out
 
 
+def run_in_pieces(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any,
+                  sinks: Optional[torch.Tensor], sig: Optional[tuple] = None):
+    """out (and lse) of `spec` computed rectangle by rectangle, or None when the call does not
+    qualify or would not gain (the caller then runs the plain path). `sig`: the call's
+    `plan.call_signature` when the caller has it."""
+    if sig is None:
+        if not eligible(spec):
+            return None
+        sig = call_signature(spec, query, key, value, NO_VARLEN, mod, sinks)
+        if sig is None:
+            return None  # the plain path validates and names the argument
+    how = route(spec, mod, query, key, value, sinks, sig)
+    return run_call(how, spec, mod, query, key, value, sinks) if isinstance(how, _Call) else None
+
+
 def clear_memos() -> None:
-    """Forget every memoized decision (after changing a threshold)."""
-    for memo in (_ELIGIBLE, _PIECES, _SPECS, _CALLS):
+    """Forget every memoized decision (after changing a threshold, and with the call plans)."""
+    for memo in (_ELIGIBLE, _PIECES, _SPECS, _ROUTES):
         memo.clear()
 
 
 class _Call(NamedTuple):
+    """A cut call: its query rectangles and their runners; with gradients, either key rectangles
+    and their runners or `backward_full`, the plain call's runner (its backward reads the
+    rectangles' stitched output and lse)."""
+
     forward: Tuple[Piece, ...]
     forward_runners: tuple
     seq: int
+    trains: bool = False
     backward: Tuple[Piece, ...] = ()
     backward_runners: tuple = ()
+    backward_full: Any = None
 
 
 def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor],
@@ -253,7 +291,8 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
         return None
     pieces = plan_pieces(spec.band, sq, skv)
     scores = query.numel() // max(1, query.shape[-1]) * skv
-    if pieces is None or not pays(pieces, scores, query.shape[-1], grad):
+    how = None if pieces is None else strategy(pieces, scores, query.shape[-1], grad, query.numel())
+    if how is None:
         return None
 
     def runners(parts, force_grad):
@@ -267,9 +306,12 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
                                 force_grad=force_grad).runner)
         return tuple(out)
 
-    call = _Call(pieces.forward, runners(pieces.forward, False), seq)
-    if grad:
+    call = _Call(pieces.forward, runners(pieces.forward, False), seq, trains=grad)
+    if grad and how == "both":
         call = call._replace(backward=pieces.backward, backward_runners=runners(pieces.backward, True))
+    elif grad:
+        call = call._replace(backward_full=get_plan(spec, mod, query, key, value, NO_VARLEN, sinks,
+                                                    force_grad=True).runner)
     return call
 
 
@@ -291,7 +333,8 @@ def _forward(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.T
 class BandChunks(torch.autograd.Function):
     """apply(call, mod, sinks, q, k, v) -> (out, lse): the forward's query chunks; a backward over
     key chunks from the saved output and lse, each writing its dK / dV in place and adding its
-    share of dQ into an fp32 accumulator (the first chunk's own dQ when it spans every query)."""
+    share of dQ into an fp32 accumulator (the first chunk's own dQ when it spans every query),
+    or the plain call's backward from that output and lse (`_Call.backward_full`)."""
 
     @staticmethod
     def forward(ctx, call: _Call, mod: Any, sinks: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor,
@@ -310,6 +353,10 @@ class BandChunks(torch.autograd.Function):
         call, mod = ctx.call, ctx.mod
         check_mod_unchanged(mod, ctx.mod_values)
         query, key, value, out, lse = ctx.saved_tensors
+        if call.backward_full is not None:
+            grads = call.backward_full.backward_with_lse(query, key, value, out, lse, NO_VARLEN, mod, ctx.sinks,
+                                                         grad_out)
+            return None, None, None, grads[0], grads[1], grads[2]
         seq, sq = call.seq, query.shape[call.seq]
         acc = torch.float64 if query.dtype == torch.float64 else torch.float32
         dq = None

@@ -13,9 +13,9 @@ import torch
 
 from . import validation as V
 from .autograd import attention
-from .band_chunks import run_in_pieces
+from .band_chunks import route, run_call as run_band_call
 from .key_range import trim_unattended_keys
-from .plan import NO_VARLEN, Explanation, Varlen, call_signature, explain_plan, get_plan
+from .plan import NO_VARLEN, CallPlan, Explanation, Varlen, call_signature, explain_plan, get_plan
 from .spec import AttentionSpec, resolve_spec
 
 __all__ = ["dot_product_attention", "explain", "run_spec", "run_call", "attention_forward", "attention_backward"]
@@ -159,23 +159,24 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
              sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
     varlen = _complete(spec, varlen)
-    sig = None
-    if spec.score_mod is not None and spec.band is not None and varlen is NO_VARLEN and getattr(query, "is_cuda", False):
-        # rectangles of the band (band_chunks); the signature serves the plain path's plan too
-        # (no key trimming next to a score_mod: the same tensors)
+    if spec.may_cut_band and varlen is NO_VARLEN and getattr(query, "is_cuda", False):
+        # rectangles of the band, or the plain plan: one lookup either way (band_chunks.route)
         sig = call_signature(spec, query, key, value, varlen, mod, sinks)
-        got = run_in_pieces(spec, mod, query, key, value, sinks, sig)
-        if got is not None:
-            return got
-    return _run_plan(spec, mod, query, key, value, varlen, sinks, sig)
+        if sig is not None:
+            how = route(spec, mod, query, key, value, sinks, sig)
+            if type(how) is not CallPlan:
+                return run_band_call(how, spec, mod, query, key, value, sinks)
+            return _run_plan(spec, mod, query, key, value, varlen, sinks, how)
+    return _run_plan(spec, mod, query, key, value, varlen, sinks)
 
 
 def _run_plan(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, varlen: Varlen,
-              sinks: Optional[torch.Tensor], sig: Optional[tuple] = None
+              sinks: Optional[torch.Tensor], plan: Optional[CallPlan] = None
               ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    if spec.trims_keys:  # a plain causal / windowed dense call: never read keys no query attends
-        key, value = trim_unattended_keys(spec.qkv_format, spec.band, query, key, value)
-    plan = get_plan(spec, mod, query, key, value, varlen, sinks, sig=sig)
+    if plan is None:
+        if spec.trims_keys:  # a plain causal / windowed dense call: never read keys no query attends
+            key, value = trim_unattended_keys(spec.qkv_format, spec.band, query, key, value)
+        plan = get_plan(spec, mod, query, key, value, varlen, sinks)
     check_values(plan, query, key, varlen)
     out, lse = attention(plan.runner, query, key, value, varlen, mod, sinks)
     return (out, lse) if spec.return_lse else out

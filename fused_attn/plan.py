@@ -19,6 +19,7 @@ host ints).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -232,8 +233,12 @@ PLANS = _PlanCache()
 
 
 def clear_plans() -> None:
-    """Drop every call plan (the graph cache keeps its graphs)."""
+    """Drop every call plan, and the banded calls' routes that hold plans (the graph cache keeps
+    its graphs)."""
     PLANS.clear()
+    chunks = sys.modules.get("fused_attn.band_chunks")
+    if chunks is not None:
+        chunks.clear_memos()
 
 
 def plan_info() -> dict:

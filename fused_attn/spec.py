@@ -57,11 +57,17 @@ class AttentionSpec:
     #: (`key_range`). Not with a score_mod (it may read positions or key-sized tensors), dropout
     #: (its mask is laid out over all keys) or padding (served as packed sequences). Derived.
     trims_keys: bool = field(init=False, compare=False, hash=False, repr=False)
+    #: A dense score_mod call with a band that `band_chunks` may serve as rectangles of the band
+    #: (it decides per call signature). Derived.
+    may_cut_band: bool = field(init=False, compare=False, hash=False, repr=False)
     _hash: int = field(init=False, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trims_keys", self.band is not None and self.qkv_format != "thd"
                            and not self.padding and self.score_mod_key is None and not self.dropout_p)
+        object.__setattr__(self, "may_cut_band", self.band is not None and self.band.right is not None
+                           and self.score_mod_key is not None and self.qkv_format != "thd" and not self.padding
+                           and not self.dropout_p and self.backend != "reference")
         # a spec is hashed in every plan lookup: compute the hash once
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare)))
 

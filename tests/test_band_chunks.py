@@ -10,7 +10,7 @@ import torch
 import score_mods as sm
 from fused_attn import band_chunks as C
 from fused_attn.functional import _run_plan
-from fused_attn.plan import NO_VARLEN
+from fused_attn.plan import NO_VARLEN, CallPlan
 from fused_attn.problem import Band
 from fused_attn.spec import resolve_spec
 
@@ -18,7 +18,7 @@ from fused_attn.spec import resolve_spec
 @pytest.fixture
 def small_thresholds(monkeypatch):
     """Cut calls of any size that saves any work (the shipped cost model is for H200 kernels)."""
-    monkeypatch.setattr(C, "HOST_NS_PER_PIECE", (0.0, 0.0))
+    _no_host_cost(monkeypatch)
     monkeypatch.setattr(C, "WINDOW_CHUNK", 128)
     C.clear_memos()
     yield
@@ -125,6 +125,7 @@ def test_work_shares():
 def test_which_specs_qualify(kw, ok):
     spec, _ = resolve_spec(**kw)
     assert C.eligible(spec) == ok
+    assert spec.may_cut_band or not ok  # the entry points' pre-filter never skips a served spec
     if ok:
         sub = C.piece_spec(spec, Band(3, 5, False))
         assert sub.band == Band(3, 5, False) and sub.return_lse and sub.score_mod_key == spec.score_mod_key
@@ -157,9 +158,13 @@ CASES = [("causal", None, 600, 600), ("causal", None, 600, 700), ("causal_bottom
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("mask, window, sq, skv", CASES)
 @pytest.mark.parametrize("return_lse", [False, True])
-def test_rectangles_equal_the_unchunked_call(small_thresholds, fmt, mask, window, sq, skv, return_lse):
-    """Forward (no grad) and forward + backward (BandChunks: query chunks forward, key chunks
-    backward from the saved output and lse) equal the plain call in float64 on the reference."""
+@pytest.mark.parametrize("how", ["both", "forward"])
+def test_rectangles_equal_the_unchunked_call(small_thresholds, monkeypatch, fmt, mask, window, sq, skv, return_lse,
+                                             how):
+    """Forward (no grad) and forward + backward (BandChunks: query chunks forward; backward over
+    key chunks, or the plain call's backward, from the stitched output and lse) equal the plain
+    call in float64 on the reference."""
+    monkeypatch.setattr(C, "strategy", lambda *a: how)
     g = torch.Generator().manual_seed(5)
     shape = {"bshd": lambda s, h: (2, s, h, 16), "sbhd": lambda s, h: (s, 2, h, 16),
              "bhsd": lambda s, h: (2, h, s, 16)}[fmt]
@@ -181,6 +186,8 @@ def test_rectangles_equal_the_unchunked_call(small_thresholds, fmt, mask, window
     plain = grads(lambda a, b, c: _run_plan(spec, mod, a, b, c, NO_VARLEN, None))
     chunked = grads(lambda a, b, c: C.run_in_pieces(spec, mod, a, b, c, None))
     _assert_same(plain, chunked, return_lse)
+    calls = [c for c in C._ROUTES._data.values() if not isinstance(c, CallPlan) and c.trains]
+    assert calls and all((c.backward_full is not None) == (how == "forward") for c in calls)
     with torch.no_grad():
         fwd = C.run_in_pieces(spec, mod, q, k, v, None)
     for a, b in zip(plain, fwd if return_lse else [fwd]):
@@ -221,15 +228,28 @@ def test_tables_or_sinks_that_train_are_not_chunked(small_thresholds):
     assert C.run_in_pieces(spec, spec.score_mod, q, q, q, sinks) is None
 
 
-def test_the_cost_model_weighs_saved_gpu_time_against_added_host_time():
-    causal = C.plan_pieces(Band(None, 0, False), 4096, 4096)
-    window = C.plan_pieces(Band(1023, 0, False), 16384, 16384)
-    # a Gemma 2 sized causal layer (B2 H16 S4096 D64): the host time of 8 rectangles outweighs
-    # the 37.5% of GPU work they skip; a long windowed call saves far more than it adds
-    assert not C.pays(causal, 2 * 16 * 4096 * 4096, 64, grad=True)
-    assert C.pays(causal, 2 * 16 * 4096 * 4096, 128, grad=False)
-    assert C.pays(window, 16 * 16384 * 16384, 64, grad=True)
-    assert not C.pays(causal, 1 * 16 * 4096 * 4096, 64, grad=False)
+@pytest.mark.parametrize("band, b, h, s, d, grad, expected", [
+    # host + GPU time with the constants fitted on H200 (softcap(50)); see band_chunks
+    (Band(None, 0, False), 2, 16, 4096, 64, True, None),  # Gemma 2 causal layer: kept whole in a model
+    (Band(1023, 0, False), 2, 16, 4096, 64, True, None),  # its window layer (cut: 12% slower model step)
+    (Band(None, 0, False), 2, 16, 8192, 64, True, "forward"),  # query rectangles, plain backward
+    (Band(None, 0, False), 1, 16, 16384, 64, True, "both"),  # long: key rectangles pay too
+    (Band(1023, 0, False), 1, 16, 16384, 64, True, "both"),
+    (Band(1023, 0, False), 2, 16, 4096, 128, False, "forward"),  # inference over a window
+    (Band(None, 0, False), 1, 1, 1024, 64, True, None),  # host-bound: 0.36 -> 0.77 / 1.70 ms if cut
+    (Band(None, 0, False), 1, 1, 1024, 64, False, None),  # 0.03 -> 0.28 ms if cut
+])
+def test_the_cost_model_weighs_saved_gpu_time_against_added_host_time(band, b, h, s, d, grad, expected):
+    pieces = C.plan_pieces(band, s, s)
+    assert C.strategy(pieces, b * h * s * s, d, grad, b * h * s * d) == expected
+
+
+def _no_host_cost(monkeypatch, per_piece=(0.0, 0.0, 0.0)):
+    """No host cost and no fixed GPU cost per rectangle: any saved work pays."""
+    monkeypatch.setattr(C, "HOST_NS_CALL", (0.0, 0.0))
+    monkeypatch.setattr(C, "HOST_NS_PER_PIECE", per_piece)
+    monkeypatch.setattr(C, "PIECE_NS_PER_QUERY_ELEMENT", (0.0, 0.0))
+    C.clear_memos()
 
 
 def test_calls_that_do_not_pay_are_not_cut(monkeypatch):
@@ -237,16 +257,41 @@ def test_calls_that_do_not_pay_are_not_cut(monkeypatch):
     spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
     q = torch.randn(1, 1024, 2, 16, dtype=torch.float64)
     assert C.run_in_pieces(spec, mod, q, q, q, None) is None  # a small call: the host time wins
-    monkeypatch.setattr(C, "HOST_NS_PER_PIECE", (0.0, 0.0))
-    C.clear_memos()
+    _no_host_cost(monkeypatch)
     assert C.run_in_pieces(spec, mod, q, q, q, None) is not None
 
 
-def test_training_calls_weigh_their_backward_rectangles_too(monkeypatch):
-    monkeypatch.setattr(C, "HOST_NS_PER_PIECE", (0.0, 1e12))
+def test_the_route_is_decided_once_per_signature(monkeypatch):
+    """A repeated banded call is one lookup: the same rectangles, or the very plan the plain
+    path would run (nothing re-decided, nothing re-validated); clearing the plans clears routes."""
+    from fused_attn import plan as P
+
     C.clear_memos()
     spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
+    q = torch.randn(1, 1024, 2, 16, dtype=torch.float64)
+    sig = P.call_signature(spec, q, q, q, NO_VARLEN, mod, None)
+    plain = C.route(spec, mod, q, q, q, None, sig)  # a small call: not cut
+    assert isinstance(plain, P.CallPlan) and plain is P.get_plan(spec, mod, q, q, q, NO_VARLEN)
+    made = []
+    monkeypatch.setattr(C, "_make_call", lambda *a, **k: made.append(1))
+    monkeypatch.setattr(P, "_make_plan", lambda *a, **k: made.append(1))
+    assert C.route(spec, mod, q, q, q, None, sig) is plain and not made
+    monkeypatch.undo()
+    P.clear_plans()
+    _no_host_cost(monkeypatch)
+    cut = C.route(spec, mod, q, q, q, None, sig)
+    assert not isinstance(cut, P.CallPlan) and C.route(spec, mod, q, q, q, None, sig) is cut
+    C.clear_memos()
+
+
+def test_training_calls_weigh_their_backward_rectangles_too(monkeypatch):
+    spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
     q = torch.randn(1, 512, 2, 16, dtype=torch.float64)
+    _no_host_cost(monkeypatch, (0.0, 1e12, 1e12))
     assert C.run_in_pieces(spec, mod, q, q, q, None) is not None  # no gradient: cut
-    assert C.run_in_pieces(spec, mod, q.requires_grad_(), q, q, None) is None  # training: does not pay
+    assert C.run_in_pieces(spec, mod, q.clone().requires_grad_(), q, q, None) is None  # training: does not pay
+    _no_host_cost(monkeypatch, (0.0, 0.0, 1e12))  # query rectangles pay, key rectangles do not
+    out = C.run_in_pieces(spec, mod, q.clone().requires_grad_(), q, q, None)
+    call = next(c for c in C._ROUTES._data.values() if not isinstance(c, CallPlan) and c.trains)
+    assert type(out.grad_fn).__name__.startswith("BandChunks") and call.backward_full is not None
     C.clear_memos()

@@ -312,17 +312,18 @@ def test_inference_forward_matches_the_training_forward(kw):
     ("causal", None, 4096, 4096), ("causal_bottom_right", None, 4096, 4608), ("causal", None, 4224, 4352),
     ("causal", (1023, 0), 4096, 4096), ("causal_bottom_right", (700, 0), 4096, 4300),
     ("no_mask", (511, 64), 4096, 4096)])
-def test_banded_score_mod_in_rectangles_matches_float64(mask, window, sq, skv, monkeypatch):
+@pytest.mark.parametrize("how", ["both", "forward"])
+def test_banded_score_mod_in_rectangles_matches_float64(mask, window, sq, skv, how, monkeypatch):
     """softcap with a causal or windowed band runs as rectangles of the band on cuDNN (its band
-    is declined next to a score_mod): query chunks forward, key chunks backward from the saved
-    output and lse (BandChunks, forced here whatever its thresholds). out, lse and dq / dk / dv
-    against float64 with the tolerance rule; the forward without gradients equal to the
-    training forward."""
+    is declined next to a score_mod): query chunks forward; backward over key chunks ("both") or
+    the plain call's backward ("forward"), from the stitched output and lse (BandChunks, forced
+    here whatever the cost model says). out, lse and dq / dk / dv against float64 with the
+    tolerance rule; the forward without gradients equal to the training forward."""
     import fused_attn
     import score_mods as sm
     from fused_attn import band_chunks
 
-    monkeypatch.setattr(band_chunks, "HOST_NS_PER_PIECE", (0.0, 0.0))
+    monkeypatch.setattr(band_chunks, "strategy", lambda *a: how)
     band_chunks.clear_memos()
     q, k, v = (make("bshd", 1, h, n, 64, torch.bfloat16) for n, h in ((sq, 4), (skv, 2), (skv, 2)))
     grad = torch.randn_like(q)

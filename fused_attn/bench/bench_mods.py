@@ -83,13 +83,13 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
                                                                          "attn_mask_type": "causal"}},
                 capped, causal=True, flex_score=capped, flex_causal=True,
                 note="cuDNN declines its band next to a score_mod: a select in the callback, the whole square "
-                     "computed, unless rectangles of the band pay for their host time (band_chunks.pays)"),
+                     "computed, unless rectangles of the band are estimated faster (band_chunks.strategy)"),
         ModCase(f"softcap(30) + window {window} (Gemma 2 local)",
                 lambda: {"fused_attn": {"score_mod": softcap(cap), "attn_mask_type": "causal",
                                         "window_size": (window - 1, 0)}},
                 capped, flex_score=capped, mask_fn=lambda b_, h_, q, k: (q >= k) & (q - k < window),
                 note="cuDNN declines its band next to a score_mod: the whole square unless rectangles of the "
-                     "band pay for their host time (band_chunks.pays); flex skips the tiles outside the window "
+                     "band are estimated faster (band_chunks.strategy); flex skips the tiles outside the window "
                      "(block mask); tflops: dense-equivalent"),
         ModCase("causal", lambda: {"fused_attn_scoremod": {"score_mod": causal()},
                                    "fused_attn_native": {"attn_mask_type": "causal"}}, causal=True, flex_causal=True),
