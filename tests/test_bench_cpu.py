@@ -225,12 +225,15 @@ def test_host_run_fails_on_a_wrong_forward(monkeypatch):
         return fns
 
     monkeypatch.setattr(host, "_forwards", forwards)
-    monkeypatch.setattr(host, "host_us_per_call", lambda fn, device, calls: 1.0)  # the check, not the timing
+    timed = []
+    monkeypatch.setattr(host, "host_us_interleaved",  # the check, not the timing
+                        lambda fns, device, calls: timed.append(list(fns)) or {name: 1.0 for name in fns})
     monkeypatch.setattr(host, "_build_rows", lambda device: [])
     res = host.run(True, torch.device("cpu"))
     assert len(res.failures) == 1 and res.failures[0].startswith("host / fused_attn functional: out max abs error")
     row = next(r for r in res.rows if r["mode"] == "fwd" and r["impl"] == "fused_attn functional")
     assert row["us_per_call"] is None and row["note"].startswith("WRONG") and row["max_err"] > row["bound"]
+    assert "fused_attn functional" not in timed[0] and "fused_attn module" in timed[0]  # the forward rows
 
 
 def test_group_ratios_and_peak():

@@ -144,6 +144,18 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int 
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def host_us_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, calls: int = 2000,
+                        rounds: int = 5) -> Dict[str, float]:
+    """Host microseconds per call of each of `fns`, best of `rounds` interleaved rounds (each round
+    times every fn over `calls` back-to-back calls, one synchronize after): a slow spell of a
+    shared host then disturbs one round of every row, not every round of one row."""
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], host_us_per_call(fn, device, calls))
+    return best
+
+
 # ----------------------------------------------------------------------------- FLOPs
 def attn_flops(batch: int, heads: int, seq_q: int, seq_kv: int, head_dim: int, *, causal: bool,
                mode: str) -> float:

@@ -1,7 +1,8 @@
 """Host overhead and graph build times of fused_attn at a tiny shape (B=1, H=1, S=128, D=64).
 
 Per-call host microseconds on a cache hit (time.perf_counter over many calls, one synchronize
-after the loop) for the fused_attn functional and module forward, a raw cuDNN graph execute and
+after the loop; best of 5 rounds that interleave the rows, so a slow spell of the host does not
+land on one row) for the fused_attn functional and module forward, a raw cuDNN graph execute and
 torch SDPA (cuDNN backend); the replay cost of a CUDA-graph-captured fused_attn forward; and the
 time of a first call on new shapes (graph builds), first in the process and later.
 """
@@ -15,7 +16,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from .common import (ImplWrongError, check_tensor, host_us_per_call, naive_attention, reference_and_bounds,
+from .common import (ImplWrongError, check_tensor, host_us_interleaved, host_us_per_call, naive_attention, reference_and_bounds,
                      synchronize)
 from .runner import SuiteResult
 
@@ -288,7 +289,8 @@ def _persistent_rows(device, gen) -> List[Dict[str, object]]:
 
 def run(quick: bool, device: torch.device) -> SuiteResult:
     """Host overhead rows and build-time rows (order matters: run this suite first in a process)."""
-    result = SuiteResult(notes=["us_per_call: host time, perf_counter over N back-to-back calls, one sync after",
+    result = SuiteResult(notes=["us_per_call: host time, perf_counter over N back-to-back calls, one sync after; "
+                                "best of 5 rounds that interleave the rows",
                                 "build rows: first call on a new shape after graph_cache.clear(); "
                                 "'first' is the first build of the process only when this suite runs first"])
     calls = 500 if quick else 2000
@@ -296,41 +298,50 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = [_rand(SHAPE, device, gen) for _ in range(3)]
     config = "x".join(map(str, SHAPE)) + " (BSHD) bf16"
+    timed: Dict[str, Callable[[], object]] = {}
+    fwd_rows: Dict[str, Dict[str, object]] = {}
     for name, fn in _forwards(q, k, v, device).items():
         expected, bound = _expected(q, k, v, name)
         row = {"suite": "host", "config": config, "mode": "fwd", "impl": name, "us_per_call": None, "max_err": None,
                "bound": bound, "note": ""}
+        result.rows.append(row)
         try:
             row["max_err"] = check_tensor(name, "out", fn(), expected, bound)
         except ImplWrongError as exc:  # not timed
             result.failures.append(f"host / {exc}")
-            result.rows.append({**row, "max_err": exc.err, "note": "WRONG: " + str(exc)})
+            row.update(max_err=exc.err, note="WRONG: " + str(exc))
             continue
         except Exception as exc:
             msg = f"{type(exc).__name__}: {exc}"
             if name.startswith("fused_attn") or name.startswith("raw"):
                 result.failures.append(f"host / {name}: {msg}")
-            result.rows.append({**row, "note": "FAILED: " + msg})
+            row["note"] = "FAILED: " + msg
             continue
         del expected
-        row["us_per_call"] = host_us_per_call(fn, device, calls)
-        result.rows.append(row)
+        timed[name], fwd_rows[name] = fn, row
+    for name, us in host_us_interleaved(timed, device, calls).items():
+        fwd_rows[name]["us_per_call"] = us
     fwd_bwds, (qg, kg, vg, do) = _fwd_bwds(device, gen)
+    timed, bwd_rows = {}, {}
     for name, fn in fwd_bwds.items():
         row = {"suite": "host", "config": config, "mode": "fwd+bwd", "impl": name,
                "note": "no attention: autograd's own cost" if name == FLOOR else "grads checked"}
+        result.rows.append(row)
         try:
             if name != FLOOR:
                 row["worst_err_over_bound"] = _check_grads(name, fn, qg, kg, vg, do)
-            row["us_per_call"] = host_us_per_call(fn, device, calls // 2)
         except ImplWrongError as exc:  # not timed
             result.failures.append(f"host / fwd+bwd {exc}")
             row["note"] = "WRONG: " + str(exc)
+            continue
         except Exception as exc:
             if name.startswith("fused_attn"):
                 result.failures.append(f"host / fwd+bwd {name}: {type(exc).__name__}: {exc}")
             row["note"] = f"FAILED: {type(exc).__name__}: {exc}"
-        result.rows.append(row)
+            continue
+        timed[name], bwd_rows[name] = fn, row
+    for name, us in host_us_interleaved(timed, device, calls // 2).items():
+        bwd_rows[name]["us_per_call"] = us
     result.notes.extend(_ratio_notes(result.rows))
     if device.type == "cuda":
         import fused_attn
