@@ -229,7 +229,9 @@ def route(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, sinks
     a repeated call is one lock-free lookup (no more than the plain path's own plan lookup)."""
     hit = _ROUTES.peek(sig)  # the key holds the spec: an ineligible one is memoized as the plain plan
     if hit is None:
-        call = _make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig)) if eligible(spec) else None
+        call = None
+        if eligible(spec):
+            call = _make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig))
         hit = call if call is not None else get_plan(spec, mod, query, key, value, NO_VARLEN, sinks, sig=sig)
         _ROUTES.put(sig, hit)
     return hit

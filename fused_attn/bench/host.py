@@ -16,8 +16,8 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from .common import (ImplWrongError, check_tensor, host_us_interleaved, host_us_per_call, naive_attention, reference_and_bounds,
-                     synchronize)
+from .common import (ImplWrongError, check_tensor, host_us_interleaved, host_us_per_call, naive_attention,
+                     reference_and_bounds, synchronize)
 from .runner import SuiteResult
 
 SHAPE = (1, 128, 1, 64)  # B, S, H, D (BSHD)
