@@ -194,7 +194,9 @@ def test_rectangles_equal_the_unchunked_call(small_thresholds, monkeypatch, fmt,
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
-def test_rectangles_with_fixed_sinks_equal_the_unchunked_call(small_thresholds):
+@pytest.mark.parametrize("how", ["both", "forward"])
+def test_rectangles_with_fixed_sinks_equal_the_unchunked_call(small_thresholds, monkeypatch, how):
+    monkeypatch.setattr(C, "strategy", lambda *a: how)
     g = torch.Generator().manual_seed(8)
     q, k, v, do = (torch.randn(1, 520, 2, 16, generator=g, dtype=torch.float64) for _ in range(4))
     sinks = torch.randn(2, generator=g, dtype=torch.float64)
@@ -211,7 +213,9 @@ def test_rectangles_with_fixed_sinks_equal_the_unchunked_call(small_thresholds):
     _assert_same(plain, chunked, False)
 
 
-def test_backward_refuses_a_score_mod_changed_in_place(small_thresholds):
+@pytest.mark.parametrize("how", ["both", "forward"])
+def test_backward_refuses_a_score_mod_changed_in_place(small_thresholds, monkeypatch, how):
+    monkeypatch.setattr(C, "strategy", lambda *a: how)
     spec, mod = resolve_spec(score_mod=sm.softcap(5.0).private_copy(), attn_mask_type="causal")
     q = torch.randn(1, 512, 2, 16, dtype=torch.float64, requires_grad=True)
     out = C.run_in_pieces(spec, spec.score_mod, q, q.detach(), q.detach(), None)
