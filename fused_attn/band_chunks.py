@@ -45,8 +45,9 @@ __all__ = ["Piece", "Pieces", "eligible", "bounds", "plan_pieces", "route", "run
            "HOST_NS_PER_PIECE", "clear_memos", "CAUSAL_CHUNKS", "WINDOW_CHUNK"]
 
 TILE = 128
-#: The cost model (`strategy`), fitted to one H200 run (softcap(50), bf16, D64: B2 H16/4 S4096
-#: and B1 H16/4 S8192, causal and a 1024-token window, each strategy forced). GPU: the plain
+#: The cost model (`strategy`), fitted to one H200 run of `benchmarks/band_strategies.py`
+#: (softcap(50), bf16, D64: B2 H16/4 S4096 and B1 H16/4 S8192, causal and a 1024-token window,
+#: each strategy forced; `benchmarks/results/band_strategies_h200.md`). GPU: the plain
 #: call's forward and backward per (score x head dim), 0.596 ms and 1.008 ms over 2^29 scores x
 #: 64; a rectangle's share in proportion to its area, plus a fixed cost per rectangle in
 #: proportion to the query's elements (B * H * Sq * D: its output, lse and dQ traffic), ~16 us
