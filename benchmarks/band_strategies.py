@@ -52,17 +52,6 @@ def _call(q, k, v, do, mask_kw, train):
     return run
 
 
-def _wall_ms(fn, n=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
-
-
 def _gpu_and_enqueue_ms(fn, n=8):
     """(GPU ms per call with no host gaps, host ms per call enqueued behind busy kernels)."""
     for _ in range(3):
@@ -82,7 +71,7 @@ def _gpu_and_enqueue_ms(fn, n=8):
 
 def main() -> None:
     from fused_attn import band_chunks
-    from fused_attn.bench.common import environment, print_table, write_results
+    from fused_attn.bench.common import environment, host_us_per_call, print_table, write_results
     from fused_attn.spec import resolve_spec
 
     p = argparse.ArgumentParser()
@@ -104,7 +93,7 @@ def main() -> None:
                         band_chunks.strategy = model if way == "model" else (lambda *a, _w=way: _w)
                         band_chunks.clear_memos()
                         fn = _call(q, k, v, do, mask_kw, train)
-                        wall = _wall_ms(fn)
+                        wall = host_us_per_call(fn, torch.device("cuda"), 50) / 1e3
                         gpu, enqueue = _gpu_and_enqueue_ms(fn)
                         name = f"model's choice ({chosen or 'plain'})" if way == "model" else (way or "plain")
                         rows.append({"config": f"{label} D{HEAD_DIM} softcap(50) + {band_label}",
