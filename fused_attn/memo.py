@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Generic, Hashable, NamedTuple, Optional,
 
 import torch
 
-__all__ = ["BoundedMemo", "MemoInfo"]
+__all__ = ["BoundedMemo", "MemoInfo", "capturing"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -72,7 +72,7 @@ class _Pending:
         self.error: Optional[BaseException] = None
 
 
-def _capturing(objects: tuple) -> bool:
+def capturing(objects: tuple) -> bool:
     """Whether the current stream of the first CUDA tensor among `objects` is capturing a CUDA
     graph (see the module docstring). Capture needs an initialized CUDA context; without one
     (fake CUDA tensors while tracing, a torch without CUDA) the query would raise, and the answer
@@ -153,7 +153,7 @@ class BoundedMemo(Generic[K, V]):
 
         Identity entries are read with this method only: plain `get` returns them wrapped.
         Always a miss during CUDA graph capture (module docstring)."""
-        if _capturing(objects):
+        if capturing(objects):
             with self._lock:
                 self._misses += 1
             return default
@@ -238,7 +238,7 @@ class BoundedMemo(Generic[K, V]):
         during CUDA graph capture (module docstring)."""
         if not isinstance(objects, tuple):
             raise TypeError(f"BoundedMemo {self._name!r}: objects must be a tuple, got {type(objects).__name__}")
-        if _capturing(objects):
+        if capturing(objects):
             return
         self.put(key, _Pinned(objects, value))  # type: ignore[arg-type]
 

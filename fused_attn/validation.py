@@ -14,7 +14,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .layouts import logical_shape
-from .memo import BoundedMemo
+from .memo import BoundedMemo, capturing
 from .problem import Band
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -301,7 +301,7 @@ def within(values: torch.Tensor, lo: List[int], hi: List[int], also: Optional[to
     host synchronisation. While a CUDA graph is being captured the copy would read, at every
     replay, a pinned buffer the graph does not own: the bounds then go in as kernel scalars
     (`within_by_runs`)."""
-    if values.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing((values,)):
         ok = within_by_runs(values, lo, hi)
     else:
         bounds = torch.tensor([lo, hi], dtype=values.dtype, pin_memory=values.device.type == "cuda")
