@@ -24,6 +24,21 @@ pytestmark = [
 H, D = 4, 64
 
 
+def _inputs(shape, seed):
+    """(generator, q, k, v, do): leaf q, k, v of `shape` in bf16 requiring grad and an upstream
+    gradient, drawn from a CUDA generator seeded `seed` (it then draws the replay's inputs)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    return gen, q, k, v, torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
+def _redraw(tensors, gen):
+    """New values in place (the captured graph's static inputs), from `gen`."""
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+
+
 def _capture(step, leaves):
     """Warm up `step` twice on a side stream, then capture it; returns (graph, its output)."""
     side = torch.cuda.Stream()
@@ -61,10 +76,7 @@ def _check_sequences(out, grads, q, k, v, do, spans, causal, label):
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_attn_graph_replays_new_lengths(causal):
     tokens, limit = 512, 256
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    q, k, v = (torch.randn(tokens, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for _ in range(3))
-    do = torch.randn(tokens, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gen, q, k, v, do = _inputs((tokens, H, D), seed=7)
     cu = torch.tensor([0, 100, 300, 512], dtype=torch.int32, device="cuda")
     window = (-1, 0) if causal else (-1, -1)
 
@@ -77,8 +89,7 @@ def test_varlen_attn_graph_replays_new_lengths(causal):
     lengths = [200, 56, 256]  # new boundaries, same token count and max_seqlen bucket
     with torch.no_grad():
         cu.copy_(torch.tensor([0, 200, 256, 512], dtype=torch.int32))
-        for t in (q, k, v, do):
-            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        _redraw((q, k, v, do), gen)
     graph.replay()
     torch.cuda.synchronize()
     spans = [(0, 200), (200, 56), (256, 256)]
@@ -88,10 +99,7 @@ def test_varlen_attn_graph_replays_new_lengths(causal):
 
 def test_doc_packed_graph_replays_new_documents():
     batch, seq = 2, 256
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    q, k, v = (torch.randn(batch, seq, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for _ in range(3))
-    do = torch.randn(batch, seq, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gen, q, k, v, do = _inputs((batch, seq, H, D), seed=8)
     table = torch.tensor([[0, 64, 192, 256], [0, 128, 256, 256]], dtype=torch.int32, device="cuda")
 
     def step():
@@ -103,8 +111,7 @@ def test_doc_packed_graph_replays_new_documents():
     new = [[0, 10, 100, 256], [0, 30, 31, 256]]
     with torch.no_grad():
         table.copy_(torch.tensor(new, dtype=torch.int32))
-        for t in (q, k, v, do):
-            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        _redraw((q, k, v, do), gen)
     graph.replay()
     torch.cuda.synchronize()
     flat = lambda t: t.reshape(batch * seq, H, D)  # noqa: E731
@@ -129,10 +136,7 @@ def test_dense_padding_graph_replays_new_lengths():
     """bshd with attn_mask_type="padding": the cu_seqlens value check is captured with its bounds
     as kernel scalars (a captured host->device copy would read a buffer the graph does not own)."""
     batch, seq = 3, 128
-    gen = torch.Generator(device="cuda").manual_seed(9)
-    q, k, v = (torch.randn(batch, seq, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for _ in range(3))
-    do = torch.randn(batch, seq, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gen, q, k, v, do = _inputs((batch, seq, H, D), seed=9)
     cu = torch.tensor([0, 50, 178, 300], dtype=torch.int32, device="cuda")
 
     def step():
@@ -145,8 +149,7 @@ def test_dense_padding_graph_replays_new_lengths():
     lengths = [128, 7, 90]
     with torch.no_grad():
         cu.copy_(torch.tensor([0, 128, 135, 225], dtype=torch.int32))
-        for t in (q, k, v, do):
-            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        _redraw((q, k, v, do), gen)
     graph.replay()
     torch.cuda.synchronize()
     flat = lambda t: t.reshape(batch * seq, H, D)  # noqa: E731
@@ -161,10 +164,7 @@ def test_dense_padding_graph_replays_new_lengths():
 def test_thd_with_padded_offsets_graph_replays_new_lengths():
     """thd with cu_seqlens_*_padded (the torch-op preparation, its general check) under capture."""
     tokens, limit = 300, 128
-    gen = torch.Generator(device="cuda").manual_seed(10)
-    q, k, v = (torch.randn(tokens, H, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-               for _ in range(3))
-    do = torch.randn(tokens, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gen, q, k, v, do = _inputs((tokens, H, D), seed=10)
     cu = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
     pad = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
 
@@ -179,8 +179,7 @@ def test_thd_with_padded_offsets_graph_replays_new_lengths():
     with torch.no_grad():
         cu.copy_(torch.tensor([0, 60, 180, 300], dtype=torch.int32))
         pad.copy_(torch.tensor([0, 60, 180, 300], dtype=torch.int32))
-        for t in (q, k, v, do):
-            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        _redraw((q, k, v, do), gen)
     graph.replay()
     torch.cuda.synchronize()
     _check_sequences(out, (q.grad, k.grad, v.grad), q, k, v, do, [(0, 60), (60, 120), (180, 120)], False, "replay")
