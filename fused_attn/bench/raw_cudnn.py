@@ -168,3 +168,93 @@ class RawSdpa:
         self.fwd()
         self._bwd_graph.execute(self._bwd_pack, self._bwd_ws, handle=self.handle)
         return self.out, self.dq, self.dk, self.dv
+
+
+def _thd_strides(seq: int, heads: int, dim: int) -> list:
+    return [seq * heads * dim, dim, heads * dim, 1]
+
+
+class RawRaggedSdpa:
+    """Forward and backward cuDNN SDPA graphs over packed (thd) bf16 sequences, no library code.
+
+    Built once for `batch` sequences of at most `max_seqlen` tokens, H heads of dim D (no GQA),
+    top-left causal or not; every call binds the per-call lengths and ragged offsets. Packed
+    tensors: q / k / v / out (T, H, D); per call `seq_lens` (B, 1, 1, 1) int32 and `offsets`
+    (B + 1, 1, 1, 1) int32 element offsets (token offset * H * D); lse (B, H, max_seqlen, 1) fp32.
+    The floor row of the varlen training step: what a hand-written ragged call costs.
+    """
+
+    def __init__(self, batch: int, max_seqlen: int, heads: int, dim: int, device: torch.device, *,
+                 causal: bool, scale: Optional[float] = None) -> None:
+        import cudnn
+
+        self.dims = (batch, heads, max_seqlen, dim)
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(dim)
+        self.causal = causal
+        self.handle = cudnn.create_handle()
+        self._stream = None
+        self._fwd_graph, self._fwd_uids = self._graph(backward=False)
+        self._bwd_graph, self._bwd_uids = self._graph(backward=True)
+        size = max(self._fwd_graph.get_workspace_size(), self._bwd_graph.get_workspace_size())
+        self._ws = torch.empty(size, device=device, dtype=torch.uint8)
+
+    def _graph(self, backward: bool):
+        import cudnn
+
+        dt = cudnn.data_type
+        b, h, s, d = self.dims
+        g = cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
+                          compute_data_type=dt.FLOAT, handle=self.handle)
+        st = _thd_strides(s, h, d)
+
+        def ints(name, n):
+            return g.tensor(dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32, name=name)
+
+        seq, off = ints("seq", b), ints("off", b + 1)
+
+        def io(name):
+            t = g.tensor(dim=[b, h, s, d], stride=st, data_type=dt.BFLOAT16, name=name)
+            t.set_ragged_offset(off)
+            return t
+
+        def out(t):
+            t.set_output(True).set_dim([b, h, s, d]).set_stride(st).set_data_type(dt.BFLOAT16)
+            t.set_ragged_offset(off)
+
+        q, k, v = io("q"), io("k"), io("v")
+        kw = dict(attn_scale=self.scale, use_padding_mask=True, seq_len_q=seq, seq_len_kv=seq,
+                  use_causal_mask=self.causal)
+        if not backward:
+            o, stats = g.sdpa(q=q, k=k, v=v, generate_stats=True, name="raw_thd", **kw)
+            out(o)
+            stats.set_output(True).set_data_type(dt.FLOAT).set_dim([b, h, s, 1]).set_stride([h * s, s, 1, 1])
+            order = [q, k, v, o, stats, seq, off]
+        else:
+            o, d_o = io("o"), io("dO")
+            stats = g.tensor(dim=[b, h, s, 1], stride=[h * s, s, 1, 1], data_type=dt.FLOAT, name="stats")
+            dq, dk, dv = g.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, name="raw_thd_bwd", **kw)
+            for t in (dq, dk, dv):
+                out(t)
+            order = [q, k, v, o, d_o, stats, dq, dk, dv, seq, off]
+        _build(g)
+        return g, [t.get_uid() for t in order]
+
+    def _set_stream(self) -> None:
+        import cudnn
+
+        stream = torch.cuda.current_stream().cuda_stream
+        if stream != self._stream:
+            cudnn.set_stream(handle=self.handle, stream=stream)
+            self._stream = stream
+
+    def run_fwd(self, q, k, v, out, lse, seq_lens, offsets) -> None:
+        """Forward into caller buffers (see the class docstring)."""
+        self._set_stream()
+        self._fwd_graph.execute([q, k, v, out, lse, seq_lens, offsets], self._ws, handle=self.handle,
+                                tensor_uids=self._fwd_uids)
+
+    def run_bwd(self, q, k, v, out, do, lse, dq, dk, dv, seq_lens, offsets) -> None:
+        """Backward into caller buffers (see the class docstring)."""
+        self._set_stream()
+        self._bwd_graph.execute([q, k, v, out, do, lse, dq, dk, dv, seq_lens, offsets], self._ws,
+                                handle=self.handle, tensor_uids=self._bwd_uids)
