@@ -34,9 +34,10 @@ from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from .autograd import attention, check_mod_unchanged
+from .autograd import check_mod_unchanged
 from .memo import BoundedMemo
-from .plan import NO_VARLEN, CallPlan, call_signature, get_plan, signature_records_grad
+from .backends.cudnn.common import grad_output
+from .plan import NO_VARLEN, CallPlan, Refusal, _static_problem, call_signature, get_plan, signature_records_grad
 from .problem import Band
 from .spec import AttentionSpec
 
@@ -47,23 +48,23 @@ __all__ = ["Piece", "Pieces", "eligible", "bounds", "plan_pieces", "route", "run
 TILE = 128
 #: The cost model (`strategy`), fitted to one H200 run of `benchmarks/band_strategies.py`
 #: (softcap(50), bf16, D64: B2 H16/4 S4096 and B1 H16/4 S8192, causal and a 1024-token window,
-#: each strategy forced; `benchmarks/results/band_strategies_h200.md`). GPU: the plain
-#: call's forward and backward per (score x head dim), 0.596 ms and 1.008 ms over 2^29 scores x
-#: 64; a rectangle's share in proportion to its area, plus a fixed cost per rectangle in
-#: proportion to the query's elements (B * H * Sq * D: its output, lse and dQ traffic), ~16 us
-#: forward and ~80 us backward at 2^23 elements. Host, enqueued behind busy kernels: the plain
-#: call (forward; training call with its backward) and per rectangle (forward without gradients;
-#: forward in a training call; backward). A call's time is estimated as host + GPU time: inside
-#: a model the host is busy with everything else too (a Gemma-2-style model, 8 layers at B4
-#: S2048, trained 12% slower with its window layers cut, although each cut call alone ran faster
-#: back to back). Measured call by call, back to back, ms (plain -> query rectangles + plain
-#: backward -> rectangles both ways): causal S4096 training 1.60 -> 1.45 -> 1.85, forward only
-#: 0.58 -> 0.43; window S4096 training 1.88 -> 1.55 -> 2.23; causal S8192 3.05 -> 2.69 -> 2.26;
-#: window S8192 3.64 -> 2.65 -> 3.23, forward only 1.48 -> 1.00.
+#: each strategy forced; `benchmarks/results/band_strategies_h200.md`). GPU: the plain call's
+#: forward and backward per (score x head dim), 0.596 ms and 1.008 ms over 2^29 scores x 64; a
+#: rectangle's share in proportion to its area, plus a fixed cost per rectangle in proportion to
+#: the query's elements (B * H * Sq * D: the backward's dO . O rows, lse and dQ traffic), ~16 us
+#: forward and ~60 us backward at 2^23 elements (rectangles write into the call's out, lse, dK
+#: and dV: no copies). Host, enqueued behind busy kernels: the plain call (forward; training call
+#: with its backward) and per rectangle (forward without gradients; forward in a training call;
+#: backward). A call's time is estimated as host + GPU time: inside a model the host is busy with
+#: everything else too (a Gemma-2-style model at S4096 enqueues ~40 ms of host work per ~50 ms
+#: step). Measured call by call, back to back, ms (plain -> query rectangles + plain backward ->
+#: rectangles both ways): causal S4096 training 1.60 -> 1.42 -> 1.52, forward only 0.58 -> 0.39;
+#: window S4096 training 1.89 -> 1.51 -> 1.48; causal S8192 3.05 -> 2.65 -> 2.19; window S8192
+#: 3.65 -> 2.59 -> 1.75, forward only 1.49 -> 0.41.
 PLAIN_NS_PER_SCORE_DIM = (0.596e6 / (2 ** 29 * 64), 1.008e6 / (2 ** 29 * 64))  # forward, backward
-PIECE_NS_PER_QUERY_ELEMENT = (16e3 / 2 ** 23, 80e3 / 2 ** 23)  # forward, backward rectangle
+PIECE_NS_PER_QUERY_ELEMENT = (16e3 / 2 ** 23, 60e3 / 2 ** 23)  # forward, backward rectangle
 HOST_NS_CALL = (70e3, 450e3)  # indexed by grad
-HOST_NS_PER_PIECE = (100e3, 140e3, 240e3)  # forward rectangle without / with gradients; backward
+HOST_NS_PER_PIECE = (40e3, 60e3, 150e3)  # forward rectangle without / with gradients; backward
 CAUSAL_CHUNKS = 4  # chunks of an unbounded (causal) band
 WINDOW_CHUNK = 1024  # rows per chunk of a window band (at least the window, rounded to the tile)
 _SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2}
@@ -298,38 +299,81 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
     if how is None:
         return None
 
-    def runners(parts, force_grad):
-        q, k, v = (query, key, value) if force_grad else (query.detach(), key.detach(), value.detach())
-        out = []
-        for p in parts:
-            if p.band is None:
-                out.append(None)
-                continue
-            out.append(get_plan(piece_spec(spec, p.band), mod, *_views(p, seq, q, k, v), NO_VARLEN, sinks,
-                                force_grad=force_grad).runner)
-        return tuple(out)
-
-    call = _Call(pieces.forward, runners(pieces.forward, False), seq, trains=grad)
-    if grad and how == "both":
-        call = call._replace(backward=pieces.backward, backward_runners=runners(pieces.backward, True))
-    elif grad:
-        call = call._replace(backward_full=get_plan(spec, mod, query, key, value, NO_VARLEN, sinks,
-                                                    force_grad=True).runner)
+    layouts = _layouts(spec.qkv_format, query, key, value)
+    try:
+        call = _Call(pieces.forward, _runners(spec, mod, query, key, value, sinks, pieces.forward, False, layouts),
+                     seq, trains=grad)
+        if grad and how == "both":
+            call = call._replace(backward=pieces.backward,
+                                 backward_runners=_runners(spec, mod, query, key, value, sinks, pieces.backward, True,
+                                                           layouts))
+        elif grad:
+            call = call._replace(backward_full=get_plan(spec, mod, query, key, value, NO_VARLEN, sinks,
+                                                        force_grad=True).runner)
+    except Refusal:
+        return None  # a rectangle cuDNN declines: the plain path serves the call
     return call
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """dQ's accumulation dtype: fp32, float64 for float64 inputs (the reference)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _contiguous(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    out, step = [0] * len(shape), 1
+    for i in reversed(range(len(shape))):
+        out[i] = step
+        step *= max(shape[i], 1)
+    return tuple(out)
+
+
+def _layouts(fmt: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """The rectangles' `Into` layouts: they write into the whole call's out (contiguous in the
+    format), its lse (B, H, Sq) fp32 and its dK, dV (contiguous); dQ goes to fresh buffers
+    (key chunks overlap in queries: their shares are summed)."""
+    from .backends.cudnn.dense import Into
+
+    sq = query.shape[_SEQ_DIM[fmt]]
+    heads = query.shape[1] if fmt == "bhsd" else query.shape[2]
+    out_shape = tuple(query.shape[:-1]) + (value.shape[-1],)
+    return Into(_contiguous(out_shape), (heads * sq, sq, 1, 1),
+                (None, _contiguous(tuple(key.shape)), _contiguous(tuple(value.shape))))
+
+
+def _runners(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor],
+             parts: Tuple[Piece, ...], force_grad: bool, layouts: Any) -> tuple:
+    """One cuDNN runner per rectangle (None for one no query attends), writing in `layouts`;
+    raises plan.Refusal when cuDNN declines one."""
+    from .backends import cudnn, registry
+
+    seq = _SEQ_DIM[spec.qkv_format]
+    q, k, v = (query, key, value) if force_grad else (query.detach(), key.detach(), value.detach())
+    out = []
+    for p in parts:
+        if p.band is None:
+            out.append(None)
+            continue
+        pspec, views = piece_spec(spec, p.band), _views(p, seq, q, k, v)
+        problem = _static_problem(pspec, mod, *views, NO_VARLEN, sinks, force_grad)
+        if registry.choose_name(problem) == "cudnn":
+            out.append(cudnn.make_runner(problem, into=layouts))
+        else:  # the reference (CPU calls): it copies into the same destinations
+            out.append(get_plan(pspec, mod, *views, NO_VARLEN, sinks, force_grad=force_grad).runner)
+    return tuple(out)
 
 
 def _forward(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any,
              sinks: Optional[torch.Tensor]):
-    """(out, lse (B, H, Sq), fp32 or the float64 of float64 inputs): each query chunk in place."""
+    """(out, lse (B, H, Sq) fp32, as every backend keeps it): each query chunk's runner writes
+    its rows of both in place."""
     seq = call.seq
     out = torch.empty(tuple(query.shape[:-1]) + (value.shape[-1],), dtype=query.dtype, device=query.device)
-    lse = None
+    b, h = (query.shape[0], query.shape[1]) if seq == 2 else (query.shape[1 - seq], query.shape[2])
+    lse = torch.empty((b, h, query.shape[seq]), dtype=torch.float32, device=query.device)
     for p, runner in zip(call.forward, call.forward_runners):
-        o, l = attention(runner, *_views(p, seq, query, key, value), NO_VARLEN, mod, sinks)
-        out.narrow(seq, p.q0, p.q1 - p.q0).copy_(o)
-        if lse is None:
-            lse = torch.empty(tuple(l.shape[:2]) + (query.shape[seq],), dtype=l.dtype, device=l.device)
-        lse[:, :, p.q0:p.q1].copy_(l)
+        dest = (out.narrow(seq, p.q0, p.q1 - p.q0), lse[:, :, p.q0:p.q1].unsqueeze(-1))
+        runner.forward(*_views(p, seq, query, key, value), NO_VARLEN, mod, sinks, dest=dest)
     return out, lse
 
 
@@ -361,9 +405,10 @@ class BandChunks(torch.autograd.Function):
                                                          grad_out)
             return None, None, None, grads[0], grads[1], grads[2]
         seq, sq = call.seq, query.shape[call.seq]
-        acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+        grad_out = grad_output(grad_out, out)  # the rectangles read dO in out's layout
         dq = None
-        dk, dv = torch.empty_like(key), torch.empty_like(value)
+        dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+        dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
         for p, runner in zip(call.backward, call.backward_runners):
             kc = p.k1 - p.k0
             dk_p, dv_p = dk.narrow(seq, p.k0, kc), dv.narrow(seq, p.k0, kc)
@@ -374,15 +419,13 @@ class BandChunks(torch.autograd.Function):
             rows = p.q1 - p.q0
             grads = runner.backward_with_lse(
                 *_views(p, seq, query, key, value), out.narrow(seq, p.q0, rows), lse[:, :, p.q0:p.q1], NO_VARLEN,
-                mod, ctx.sinks, grad_out.narrow(seq, p.q0, rows))
+                mod, ctx.sinks, grad_out.narrow(seq, p.q0, rows), dest=(None, dk_p, dv_p))
             if dq is None and rows == sq:
-                dq = grads[0].to(acc)
+                dq = grads[0].to(_acc(query.dtype))
             else:
                 if dq is None:
-                    dq = torch.zeros(query.shape, dtype=acc, device=query.device)
+                    dq = torch.zeros(query.shape, dtype=_acc(query.dtype), device=query.device)
                 dq.narrow(seq, p.q0, rows).add_(grads[0])
-            dk_p.copy_(grads[1])
-            dv_p.copy_(grads[2])
         if dq is None:
-            dq = torch.zeros(query.shape, dtype=acc, device=query.device)
+            dq = torch.zeros(query.shape, dtype=_acc(query.dtype), device=query.device)
         return None, None, None, dq.to(query.dtype), dk, dv

@@ -41,6 +41,8 @@ class GraphKey:
     cuDNN's convention, or None. padding: use_padding_mask with seq_len tensors.
     ragged: thd (ragged offsets); the bucket sizes are in the dims.
     score_mod / operands: the mod's structural key and `describe_operands` of its graph inputs.
+    stats_strides / grad_strides: Stats' strides and dQ, dK, dV's when the caller owns those
+    buffers as views of larger tensors (a band's rectangles, `band_chunks`); None: dense.
     """
 
     direction: str
@@ -64,6 +66,8 @@ class GraphKey:
     bias: Optional[tuple] = None
     sinks: bool = False
     dropout: float = 0.0
+    stats_strides: Optional[Dims] = None
+    grad_strides: Optional[Tuple[Dims, Dims, Dims]] = None
     _hash: int = field(default=0, init=False, repr=False, compare=False)
     _key: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -88,7 +92,7 @@ class GraphKey:
             self.direction, self.dtype, self.q_dims, self.k_dims, self.v_dims, self.q_strides,
             self.k_strides, self.v_strides, self.o_strides, self.scale, self.band, self.padding,
             self.ragged, self.score_mod, self.operands, self.deterministic, self.device_index,
-            self.backend_version, self.bias, self.sinks, self.dropout,
+            self.backend_version, self.bias, self.sinks, self.dropout, self.stats_strides, self.grad_strides,
         )
 
     def __hash__(self) -> int:

@@ -314,6 +314,45 @@ def test_cudnn_runner_through_the_custom_ops_under_compile(stub, kw):
     assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
 
 
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+@pytest.mark.parametrize("how", ["forward", "both"])
+def test_band_rectangles_write_into_the_calls_own_outputs(stub, monkeypatch, fmt, how):
+    """A band cut into rectangles on cuDNN: each rectangle's graph binds views of the call's out,
+    lse, dK and dV (one storage each, every view inside it), so no rectangle result is copied."""
+    from fused_attn import band_chunks as C
+
+    monkeypatch.setattr(C, "strategy", lambda *a: how)
+    monkeypatch.setattr(C, "WINDOW_CHUNK", 256)
+    C.clear_memos()
+    bound = []
+    executed = runtime.execute
+
+    def record(compiled, bind, device_index):
+        names = ("dK", "dV") if "dO" in bind else ("o", "stats")
+        bound.append({s: bind[s] for s in names if s in bind})
+        return executed(compiled, bind, device_index)
+
+    monkeypatch.setattr(runtime, "execute", record)
+    shape = {"bshd": lambda s, h: (2, s, h, 64), "sbhd": lambda s, h: (s, 2, h, 64),
+             "bhsd": lambda s, h: (2, h, s, 64)}[fmt]
+    q, k, v = bf16(*shape(640, 4), grad=True), bf16(*shape(640, 2), grad=True), bf16(*shape(640, 2), grad=True)
+    spec, mod = resolve_spec(qkv_format=fmt, attn_mask_type="causal", window_size=(200, 0),
+                             score_mod=sm.softcap(20.0), backend="cudnn", return_lse=True)
+    out, lse = C.run_in_pieces(spec, mod, q, k, v, None)
+    fwd = [b for b in bound if "o" in b]
+    assert len(fwd) > 1  # the forward was cut
+    for b in fwd:
+        assert b["o"].untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        assert b["stats"].untyped_storage().data_ptr() == lse.untyped_storage().data_ptr()
+    bound.clear()
+    out.backward(bf16(*out.shape))
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+    if how == "both":
+        assert len(bound) > 1
+        for name in ("dK", "dV"):
+            assert len({b[name].untyped_storage().data_ptr() for b in bound}) == 1
+
+
 def test_trained_bias_under_a_causal_mask_runs_as_band_plus_bias(stub):
     """A learned table added under a causal mask (T5 decoder style): the mask becomes cuDNN's own
     band and the table its bias input, so dBias has no score_mod callback beside it."""

@@ -88,10 +88,15 @@ class ReferenceRunner:
         """The tensors besides q, k, v that the backward differentiates (in its order)."""
         return tuple(t for _, t in _grad_tensors(mod, sinks))
 
-    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None, dest=None):
+        """(out, lse, saved, state); dest: (out, (B, H, Sq, 1) lse) views to copy the results into
+        (the cuDNN runner's caller-owned outputs, see band_chunks)."""
         dropout = self._seed(rng)
         with torch.no_grad():
             out, lse = _compute(self._problem(q, k, v, varlen, mod, sinks, dropout))
+            if dest is not None:
+                dest[0].copy_(out)
+                dest[1].copy_(lse.unsqueeze(-1))
         extras = _grad_tensors(mod, sinks)
         return out, lse, (q, k, v) + tuple(t for _, t in extras), (varlen, mod, sinks, tuple(n for n, _ in extras),
                                                                     dropout)
@@ -107,10 +112,19 @@ class ReferenceRunner:
         state = (varlen, mod, sinks, tuple(n for n, _ in extras), self._seed(rng))
         return self.backward(state, (q, k, v) + tuple(t for _, t in extras), grad_out)
 
-    def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
+    def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out, dest=None):
         """Gradients of a call whose output `out` and log-sum-exp `lse` (dense (B, H, Sq), thd
         (H, Tq)) may span more keys than k, v hold (one chunk of a larger attention): the
-        partial weights exp(score - lse) give dV = P^T dO and dS = P * (dP - rowsum(dO * out))."""
+        partial weights exp(score - lse) give dV = P^T dO and dS = P * (dP - rowsum(dO * out)).
+        dest: (None, dK, dV) views to copy dK and dV into (returned in their place)."""
+        grads = self._backward_with_lse(q, k, v, out, lse, varlen, mod, sinks, grad_out)
+        if dest is None:
+            return grads
+        for d, g in zip(dest[1:], grads[1:3]):
+            d.copy_(g)
+        return (grads[0],) + tuple(dest[1:]) + grads[3:]
+
+    def _backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
         extras = _grad_tensors(mod, sinks)
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         extra = [t.detach().requires_grad_(True) for _, t in extras]

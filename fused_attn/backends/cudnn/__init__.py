@@ -121,9 +121,16 @@ def _tensor_axes(mod: Any) -> dict:
     return out
 
 
-def make_runner(problem: Any) -> Any:
-    """The runner serving `problem` on cuDNN (graphs built now)."""
+def make_runner(problem: Any, into: Any = None) -> Any:
+    """The runner serving `problem` on cuDNN (graphs built now). into: the layouts of
+    caller-owned outputs (`dense.Into`; dense problems only: the rectangles of a band)."""
     backend_version = version.check()
+    if into is not None:
+        from .dense import DenseRunner
+
+        if problem.is_packed or _padded_as_thd(problem):
+            raise ValueError("make_runner: into= serves dense problems only")  # pragma: no cover - internal
+        return DenseRunner(problem, backend_version, into)
     if problem.is_packed:
         from .thd import ThdRunner
 

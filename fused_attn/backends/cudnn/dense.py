@@ -13,7 +13,7 @@ format with Dv (contiguous); Stats fp32 (B, H, Sq, 1) = the log-sum-exp; lse = S
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,7 @@ from .common import (Graphs, check_runtime_tensors, dropout_rng, grad_output, op
                      sinks_view)
 from .graphs import dense_strides_like
 
-__all__ = ["DenseRunner"]
+__all__ = ["DenseRunner", "Into"]
 
 _PERM = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
 _INV = {"bshd": (0, 2, 1, 3), "sbhd": (2, 0, 1, 3), "bhsd": (0, 1, 2, 3)}
@@ -45,19 +45,35 @@ def normalized(dims: Tuple[int, ...], strides: Tuple[int, ...]) -> Tuple[int, ..
     return tuple(d_s if n == 1 else s for n, s, d_s in zip(dims, strides, dense))
 
 
+class Into(NamedTuple):
+    """Layouts of the buffers a runner writes when they are views of the caller's larger tensors
+    (the rectangles of a band, `band_chunks`): out (and dO) strides in the call's format, the
+    forward's Stats strides of its logical (B, H, Sq, 1) view (the backward reads Stats packed),
+    dQ / dK / dV strides in the call's format (None: the runner's own dense layout, in a fresh
+    buffer)."""
+
+    out: Tuple[int, ...]
+    stats: Tuple[int, ...]
+    grads: Tuple[Optional[Tuple[int, ...]], Optional[Tuple[int, ...]], Optional[Tuple[int, ...]]]
+
+
 class DenseRunner:
-    """forward/backward of one dense plan on cuDNN."""
+    """forward/backward of one dense plan on cuDNN.
+
+    into: None (the runner allocates its outputs densely), or the layouts of caller-owned
+    destinations (`Into`) that `forward(dest=)` / `backward(dest=)` then write in place."""
 
     backend = "cudnn"
 
-    def __init__(self, problem: Any, version: int) -> None:
+    def __init__(self, problem: Any, version: int, into: Optional[Into] = None) -> None:
         self.static = p = problem
         spec = p.spec
         self.fmt = spec.qkv_format
         b, h, hkv, sq, skv, d, dv = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_kv, p.head_dim, p.head_dim_v
         self.dims = ((b, h, sq, d), (b, hkv, skv, d), (b, hkv, skv, dv))
         self.out_shape = _format_shape(self.fmt, (b, h, sq, dv))
-        fmt_out_strides = _contiguous_strides(self.out_shape)
+        self.into = into
+        fmt_out_strides = _contiguous_strides(self.out_shape) if into is None else into.out
         o_strides = normalized((b, h, sq, dv), _logical_strides(self.fmt, fmt_out_strides))
         self.stats_shape = (b, h, sq, 1)
         self.lse_shape = (b, h, sq)
@@ -75,6 +91,12 @@ class DenseRunner:
                                for dm in self.dims)
         self.grad_strides = tuple(_logical_to_format(self.fmt, dense_strides_like(dm, st))
                                   for dm, st in zip(self.dims, in_strides))
+        layouts = {}
+        if into is not None:  # a None in into.grads keeps that gradient's dense layout
+            self.grad_strides = tuple(d if g is None else g for d, g in zip(self.grad_strides, into.grads))
+            layouts = dict(stats_strides=tuple(into.stats),  # as given: cuDNN wants Stats' last stride 1
+                           grad_strides=tuple(normalized(dm, _logical_strides(self.fmt, g))
+                                              for dm, g in zip(self.dims, self.grad_strides)))
         self.scale = torch.full((1, 1, 1, 1), p.scale, dtype=torch.float32)
         self.sinks = sinks_view(p)
         self._operand_memo: Optional[tuple] = None  # (mod, its operand cache, our operands) of the last call
@@ -102,8 +124,11 @@ class DenseRunner:
                       padding=self.padding, ragged=False,
                       score_mod=None if not self.has_mod else self.lowering.graph_mod.cache_key,
                       operands=operand_description(operands), device_index=self.dev, backend_version=version,
-                      bias=bias_desc, sinks=self.sinks is not None, dropout=spec.dropout_p)
+                      bias=bias_desc, sinks=self.sinks is not None, dropout=spec.dropout_p, **layouts)
         fwd_key = GraphKey(direction="fwd", deterministic=False, **common)
+        # the backward reads Stats packed whatever the forward wrote: cuDNN < 9.26 takes no other
+        # layout ("a non-ragged Stats input of sdpa_backward must be a packed BHSD tensor")
+        common["stats_strides"] = None
         bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
         self.kv_pad, bwd_lowering = 0, None
         if p.needs_grad and not self.padding and skv % 128 == 64 and (self.has_mod or bias is not None):
@@ -121,6 +146,8 @@ class DenseRunner:
         from ...plan import Refusal
 
         spec, p = self.static.spec, self.static
+        if self.into is not None and self.into.grads[0] is not None:
+            raise Refusal("a caller-owned dQ layout with the padded-key backward (keys 64 mod 128)")
         if self.lowering.bias is not None and self.has_mod:
             raise Refusal("a key length 64 mod 128 with a bias next to a score_mod: cuDNN 9.19's backward can write NaN "
                           "into dQ there, and its padded-key formulation (seq_len + score_mod + bias input) crashes the "
@@ -158,6 +185,7 @@ class DenseRunner:
         key = GraphKey(direction="bwd", deterministic=spec.deterministic,
                        **{**common, "k_dims": dims[0], "v_dims": dims[1], "k_strides": strides[0],
                           "v_strides": strides[1], "band": self.bwd_lowering.band, "padding": True,
+                          "grad_strides": None,  # dK, dV go to padded buffers; dQ stays dense (Into.grads[0] None)
                           "score_mod": None if bwd_mod is None else bwd_mod.cache_key,
                           "operands": operand_description(operands), "bias": bias_desc})
         del p, version
@@ -252,12 +280,17 @@ class DenseRunner:
             bind["dropout_seed"], bind["dropout_offset"] = rng_views(rng) if rng is not None else dropout_rng(q.device)
         return (q, k, v), bind, seqs, bias
 
-    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None, dest=None):
+        """(out, lse or None, saved, state); dest: (out, Stats) views in the `Into` layouts to
+        write instead of fresh buffers."""
         (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks, rng, extras)
-        # two allocations, not one buffer with two views: autograd treats an output that is a
-        # view of a temporary as a view (measured: ~10 us more per forward and ~15 us per backward)
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
-        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
+        if dest is not None:
+            out, stats = dest
+        else:
+            # two allocations, not one buffer with two views: autograd treats an output that is a
+            # view of a temporary as a view (measured: ~10 us more per forward and ~15 us per backward)
+            out = torch.empty(self.out_shape, dtype=q.dtype, device=q.device)
+            stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
         bind["o"], bind["stats"] = out, stats
         self.graphs.run("fwd", bind)
         # the state must not hold the output: autograd would keep it (and its graph) alive in a
@@ -282,20 +315,22 @@ class DenseRunner:
         self.graphs.run("fwd", bind)
         return out, None
 
-    def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
+    def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out, dest=None):
         """Gradients from a given output and fp32 lse (B, H, Sq), e.g. of a larger attention this
-        call is one key chunk of: cuDNN's backward reads exactly these (O, Stats)."""
-        stats = lse.detach().to(torch.float32).contiguous().view(self.stats_shape)
-        return self.backward_call(q, k, v, out, stats, varlen, mod, sinks, grad_out)
+        call is one key chunk of: cuDNN's backward reads exactly these (O, Stats). With `Into`
+        layouts, out / grad_out are views in them (lse is read packed: a copy when it is a view)
+        and dest = (dQ or None, dK, dV) views to write (None: a fresh dQ)."""
+        stats = lse.detach().to(torch.float32).contiguous().view(self.stats_shape)  # packed: see __init__
+        return self.backward_call(q, k, v, out, stats, varlen, mod, sinks, grad_out, dest=dest)
 
-    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None, dest=None):
         """The backward from the call's arguments (the custom-op path, which keeps no state;
-        `rng`: the forward's dropout seed and offset)."""
+        `rng`: the forward's dropout seed and offset; `dest`: see backward_with_lse)."""
         (q, k, v), bind, seqs, bias = self._bind(q, k, v, varlen, mod, sinks, rng)
-        if not out.is_contiguous():  # the graph reads O (and dO) in the layout the forward writes
+        if self.into is None and not out.is_contiguous():  # the graph reads O (and dO) as the forward writes it
             out = out.contiguous()
         saved = (q, k, v, out, stats) + (() if bias is None else (bias,)) + (() if sinks is None else (sinks,))
-        return self.backward((bind, seqs, bias is not None, sinks is not None, mod), saved, grad_out)
+        return self.backward((bind, seqs, bias is not None, sinks is not None, mod), saved, grad_out, dest=dest)
 
     def _clear_rows(self, out: torch.Tensor, stats: torch.Tensor, seqs) -> None:
         """Padded batches: rows past a query length are 0 with lse -inf (cuDNN's padding mask
@@ -311,15 +346,20 @@ class DenseRunner:
             o.masked_fill_(empty, 0.0)
             stats.masked_fill_(empty, float("-inf"))
 
-    def backward(self, state, saved, grad_out):
+    def backward(self, state, saved, grad_out, dest=None):
         bind_fwd, seqs, has_bias, has_sinks, mod = state
         q, k, v, out, stats = saved[:5]
         extra = list(saved[5:])
         d_o = grad_output(grad_out, out)
         if self.kv_pad:
-            return self._padded_backward_run(bind_fwd, mod, q, k, v, out, stats, extra, has_bias, has_sinks, d_o)
-        grads = [torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
-                 for t, st in zip((q, k, v), self.grad_strides)]
+            got = self._padded_backward_run(bind_fwd, mod, q, k, v, out, stats, extra, has_bias, has_sinks, d_o)
+            if dest is None:
+                return got
+            for g, d in zip(got[1:3], dest[1:]):
+                d.copy_(g)
+            return (got[0],) + tuple(dest[1:]) + got[3:]
+        grads = [torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device) if d is None else d
+                 for t, st, d in zip((q, k, v), self.grad_strides, dest or (None, None, None))]
         if self.padding:  # rows past a length get no gradient, whatever the kernel leaves there
             for g in grads:
                 g.zero_()

@@ -71,7 +71,10 @@ def thd_strides(dims: Sequence[int]) -> Tuple[int, int, int, int]:
 
 
 def grad_strides(key: GraphKey) -> Tuple[Dims, Dims, Dims]:
-    """Strides of dQ, dK, dV: dense in the memory order of q, k, v (thd: packed)."""
+    """Strides of dQ, dK, dV: the key's own when it has them, else dense in the memory order of
+    q, k, v (thd: packed)."""
+    if key.grad_strides is not None:
+        return key.grad_strides
     if key.ragged:
         return thd_strides(key.q_dims), thd_strides(key.k_dims), thd_strides(key.v_dims)
     return (dense_strides_like(key.q_dims, key.q_strides), dense_strides_like(key.k_dims, key.k_strides),
@@ -191,7 +194,7 @@ def _o_dims(key: GraphKey) -> Dims:
 
 def _stats_dims(key: GraphKey) -> Tuple[Dims, Dims]:
     b, h, s, _ = key.q_dims
-    return (b, h, s, 1), (h * s, s, 1, 1)
+    return (b, h, s, 1), key.stats_strides or (h * s, s, 1, 1)
 
 
 def _common_kwargs(b: _Builder, score_mod: Any, operand_templates: Dict[str, torch.Tensor],
