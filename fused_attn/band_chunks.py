@@ -320,19 +320,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _contiguous(shape: Tuple[int, ...]) -> Tuple[int, ...]:
-    out, step = [0] * len(shape), 1
-    for i in reversed(range(len(shape))):
-        out[i] = step
-        step *= max(shape[i], 1)
-    return tuple(out)
-
-
 def _layouts(fmt: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     """The rectangles' `Into` layouts: they write into the whole call's out (contiguous in the
     format), its lse (B, H, Sq) fp32 and its dK, dV (contiguous); dQ goes to fresh buffers
     (key chunks overlap in queries: their shares are summed)."""
-    from .backends.cudnn.dense import Into
+    from .backends.cudnn.dense import Into, _contiguous_strides as _contiguous
 
     sq = query.shape[_SEQ_DIM[fmt]]
     heads = query.shape[1] if fmt == "bhsd" else query.shape[2]
