@@ -21,6 +21,16 @@ def _bshd_strides(seq: int, heads: int, dim: int) -> list:
     return [seq * heads * dim, dim, heads * dim, 1]
 
 
+def _bind_stream(handle, bound):
+    """Point `handle` at the current CUDA stream if it is not `bound` already; returns the stream."""
+    import cudnn
+
+    stream = torch.cuda.current_stream().cuda_stream
+    if stream != bound:
+        cudnn.set_stream(handle=handle, stream=stream)
+    return stream
+
+
 def _build(graph) -> None:
     import cudnn
 
@@ -121,12 +131,7 @@ class RawSdpa:
         return g, pack
 
     def _set_stream(self) -> None:
-        import cudnn
-
-        stream = torch.cuda.current_stream().cuda_stream
-        if stream != self._stream:
-            cudnn.set_stream(handle=self.handle, stream=stream)
-            self._stream = stream
+        self._stream = _bind_stream(self.handle, self._stream)
 
     def fwd(self) -> torch.Tensor:
         """Run the forward graph; returns `out` (B, S, H, D)."""
@@ -170,10 +175,6 @@ class RawSdpa:
         return self.out, self.dq, self.dk, self.dv
 
 
-def _thd_strides(seq: int, heads: int, dim: int) -> list:
-    return [seq * heads * dim, dim, heads * dim, 1]
-
-
 class RawRaggedSdpa:
     """Forward and backward cuDNN SDPA graphs over packed (thd) bf16 sequences, no library code.
 
@@ -205,7 +206,7 @@ class RawRaggedSdpa:
         b, h, s, d = self.dims
         g = cudnn.pygraph(io_data_type=dt.BFLOAT16, intermediate_data_type=dt.FLOAT,
                           compute_data_type=dt.FLOAT, handle=self.handle)
-        st = _thd_strides(s, h, d)
+        st = _bshd_strides(s, h, d)  # a packed (T, H, D) tensor seen as (B, H, S, D)
 
         def ints(name, n):
             return g.tensor(dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32, name=name)
@@ -240,12 +241,7 @@ class RawRaggedSdpa:
         return g, [t.get_uid() for t in order]
 
     def _set_stream(self) -> None:
-        import cudnn
-
-        stream = torch.cuda.current_stream().cuda_stream
-        if stream != self._stream:
-            cudnn.set_stream(handle=self.handle, stream=stream)
-            self._stream = stream
+        self._stream = _bind_stream(self.handle, self._stream)
 
     def run_fwd(self, q, k, v, out, lse, seq_lens, offsets) -> None:
         """Forward into caller buffers (see the class docstring)."""
