@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from .functional import _is_dtensor, run_call
-from .memo import BoundedMemo
+from .memo import BoundedMemo, capturing
 from .plan import Varlen
 from .spec import resolve_spec
 from .validation import check_window
@@ -49,14 +49,15 @@ def doc_cu_seqlens(cu_seq: torch.Tensor, seq_len: int) -> torch.Tensor:
 
 
 def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch.device,
-                         max_doc_len: Optional[int] = None) -> Optional[int]:
+                         max_doc_len: Optional[int] = None, read_device_table: bool = False) -> Optional[int]:
     """Validate ``cu_seq`` (B, MAX_DOCS+1) int32; raises TypeError/ValueError naming the problem.
 
     Structure (type, dtype, rank, batch, device: the query's or the CPU) is checked on the host;
-    values (start at 0, end at S, non-decreasing, documents no longer than max_doc_len) with one
-    host read for CPU tables, which returns the longest document; for device tables, fake
-    tensors and under torch.compile the value check is an asynchronous device assertion (no
-    sync) and the return value is None.
+    values (start at 0, end at S, non-decreasing, documents no longer than max_doc_len) on the
+    host for CPU tables and, with read_device_table, for device tables (copied to the host: one
+    synchronisation), returning the longest document; otherwise (device tables, fake tensors,
+    torch.compile) the value check is an asynchronous device assertion (no sync) and the return
+    value is None.
     """
     if not isinstance(cu_seq, torch.Tensor):
         raise TypeError(f"cu_seq must be a (B, MAX_DOCS+1) int32 torch.Tensor, got {type(cu_seq).__name__}")
@@ -72,7 +73,9 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
         raise ValueError(f"cu_seq must be on the query's device {device} or on the CPU, got {cu_seq.device}")
     limit = seq_len if max_doc_len is None else max_doc_len
     lens = cu_seq[:, 1:] - cu_seq[:, :-1]
-    if torch.compiler.is_compiling() or cu_seq.device.type != "cpu" or _is_fake(cu_seq):
+    on_host = cu_seq.device.type == "cpu" or (read_device_table and not torch.compiler.is_compiling()
+                                              and not _is_fake(cu_seq))
+    if torch.compiler.is_compiling() or not on_host or _is_fake(cu_seq):
         # No host read on the hot path: a bad table stops the program at the next synchronization
         # with this device-side assertion (CPU tables raise ValueError right here).
         ok = ((cu_seq[:, 0] == 0).all() & (cu_seq[:, -1] == seq_len).all() & (lens >= 0).all()
@@ -112,7 +115,9 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
     """(global offsets on `device`, the longest document or None): `check_doc_boundaries` then
     `doc_cu_seqlens`, memoized per table (not while compiling). A CPU table for device queries
     is read on the host (its longest document comes free) and its offsets go to the device in
-    one asynchronous copy from pinned memory this function owns."""
+    one asynchronous copy from pinned memory this function owns. A device table without
+    max_doc_len is read on the host too (one synchronisation per table: the layers of a step
+    share it), except while a CUDA graph is captured: the graph is then sized for S."""
     if torch.compiler.is_compiling() or not isinstance(cu_seq, torch.Tensor) or _is_fake(cu_seq):
         check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
         return doc_cu_seqlens(cu_seq, seq_len).to(device), None
@@ -124,7 +129,8 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
     key = (id(cu_seq), cu_seq._version, batch, seq_len, max_doc_len, device)
     hit = _OFFSETS.get_identity(key, (cu_seq,))
     if hit is None:
-        longest = check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
+        read = max_doc_len is None and cu_seq.device.type != "cpu" and not capturing((cu_seq,))
+        longest = check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len, read_device_table=read)
         offsets = doc_cu_seqlens(cu_seq, seq_len)
         if offsets.device != device:  # a host table for device queries
             staged = offsets.pin_memory() if device.type == "cuda" else offsets
@@ -218,15 +224,19 @@ def doc_packed_attn(
         score_mod: optional score modifier; its q_idx / kv_idx are positions within the document.
         scale: softmax scale, default 1/sqrt(D).
         max_doc_len: optional host int >= the longest document. The cuDNN graph is sized by it
-            (rounded up to a power of two): with many short documents, giving it saves most of
-            the kernel's work (launching tiles for S-long documents that end early). Default:
-            the longest document of a host table, else S.
+            (rounded up to a power of two), so many short documents cost what their tokens cost
+            (not tiles for S-long documents that end early). Default: the longest document of
+            the table, read on the host once per table (free for a CPU table; one
+            synchronisation for a device table, shared by every layer that passes the same
+            table); inside CUDA graph capture, S. Give it to avoid the read.
 
     Returns:
         out (B, S, H, D_v), differentiable (the backward uses the saved output and log-sum-exp).
 
-    Cost: no device->host synchronisation on CUDA (cu_seq values are checked by an asynchronous
-    device assertion, which also checks max_doc_len).
+    Cost: with max_doc_len given (or a CPU table), no device->host synchronisation on CUDA
+    (device cu_seq values are then checked by an asynchronous device assertion, which also
+    checks max_doc_len); without it, a device table is read and checked on the host once
+    (ValueError for a bad table).
     """
     if type(query) is not torch.Tensor and _is_dtensor(query):
         from .distributed import dtensor

@@ -172,7 +172,7 @@ def test_boundary_table_is_checked_once_per_table_and_version(monkeypatch):
 
     calls = []
     real = dp.check_doc_boundaries
-    monkeypatch.setattr(dp, "check_doc_boundaries", lambda *a: (calls.append(1), real(*a))[1])
+    monkeypatch.setattr(dp, "check_doc_boundaries", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     q, k, v = make(b=2, s=8)
     cu_seq = torch.tensor([[0, 3, 8], [0, 8, 8]], dtype=torch.int32)
     first = doc_packed_attn(q, k, v, cu_seq)

@@ -140,7 +140,36 @@ def test_doc_packed_with_a_host_table_runs_a_graph_sized_by_the_longest_document
     want, bounds = grad_tolerances(lq, lk, lv, ldo, scale, torch.bfloat16, mask)
     for name, got, w, bound in zip("qkv", grads, want, bounds):
         assert_close(got.transpose(1, 2), w, bound, f"d{name}")
-    # the same call with the table on the device gives the same answer (within the rule)
+    # the same call with the table on the device: read once on the host, the same graph size and answer
     again = fused_attn.doc_packed_attn(q, k, v, table.cuda(), is_causal=causal)
-    assert seen[-1].max_seqlen_q == s
+    assert seen[-1].max_seqlen_q == 624
     assert_close(again.transpose(1, 2), exact, tolerance(lq, lk, lv, scale, torch.bfloat16, mask), "out (device table)")
+    # given max_doc_len, a device table is never read on the host: the graph is sized by it
+    sized = fused_attn.doc_packed_attn(q, k, v, table.cuda(), is_causal=causal, max_doc_len=s)
+    assert seen[-1].max_seqlen_q == s
+    assert_close(sized.transpose(1, 2), exact, tolerance(lq, lk, lv, scale, torch.bfloat16, mask), "out (max_doc_len=S)")
+
+
+def test_doc_packed_device_table_is_read_once_per_table_and_never_with_max_doc_len():
+    """Without max_doc_len a device table is read (and checked) on the host once; the layers that
+    reuse it, and any call given max_doc_len, synchronise nothing; a bad device table is a
+    ValueError at the call (the host check), not a device assertion."""
+    import fused_attn
+
+    b, s, h, d = 2, 512, 2, 64
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    table = torch.tensor([[0, 100, 512], [0, 256, 512]], dtype=torch.int32, device="cuda")
+    other = torch.tensor([[0, 200, 512], [0, 1, 512]], dtype=torch.int32, device="cuda")
+    fused_attn.doc_packed_attn(q, q, q, table, is_causal=True)  # the read
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_attn.doc_packed_attn(q, q, q, table, is_causal=True)  # the same table: no read
+        fused_attn.doc_packed_attn(q, q, q, other, is_causal=True, max_doc_len=511)
+        with pytest.raises(RuntimeError, match="synchroniz"):  # a new table without max_doc_len is read
+            fused_attn.doc_packed_attn(q, q, q, other, is_causal=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    bad = torch.tensor([[0, 300, 200, 512], [0, 1, 2, 512]], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="row 0 is decreasing"):
+        fused_attn.doc_packed_attn(q, q, q, bad)
