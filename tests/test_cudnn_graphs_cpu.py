@@ -507,3 +507,7 @@ def test_one_kernel_preparation_layout_and_cpu_rows():
     assert two_rows.meta == dict(BLOCK=16, KV_ROW=True, EXT=False, NQ=2, NKV=2)
     one_row = thd_kernel._Recipe(same, False, pow2)  # one row, equal multipliers: kv offsets alias q's
     assert one_row.names == ("seq_q", ("q", 7), ("q", H * D), "ok") and one_row.meta["NKV"] == 0
+    # where each bound tensor sits among the parts: (seq_q, seq_kv, tok_q, offsets, ok); None = not written
+    assert shared.picks == (0, None, 1, ((("q", H * D), 2), (("kv", HKV * D), 3)), 4)
+    assert one_row.picks == (0, None, None, ((("q", 7), 1), (("q", H * D), 2), (("kv", 7), 1), (("kv", H * D), 2)), 3)
+    assert two_rows.picks[:3] == (0, 1, None) and two_rows.meta_for(True) == dict(two_rows.meta, CHECK=True)

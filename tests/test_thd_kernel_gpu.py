@@ -98,6 +98,23 @@ def test_one_kernel_preparation_equals_torch_ops(seed):
         assert got.dtype == torch.int32 and got.shape == want.shape and torch.equal(got, want), key
 
 
+@pytest.mark.skipif(not thd_kernel.available(), reason="Triton is not installed: the torch-op preparation serves")
+def test_direct_launch_is_verified_then_used_and_checks_in_kernel():
+    """After one JIT launch the compiled kernel's own launcher is checked against it and used;
+    check=True (the library's path) asserts in the kernel and still writes the flag."""
+    layout, cu_q, cu_kv, tokens, limits, valid, _ = _case(0)  # mutation "none"
+    assert valid
+    for check in (False, True):
+        first = thd_kernel.prepare(layout, cu_q, cu_kv, tokens, limits, check=check)
+        recipe = layout._kernel_recipes[cu_kv is not cu_q]
+        assert recipe.direct.get(check) is not None, "the direct launcher was not verified on this Triton"
+        again = thd_kernel.prepare(layout, cu_q, cu_kv, tokens, limits, check=check)  # the direct launch
+        ops, ok_ops = VL.prepare_unchecked(layout, cu_q, cu_kv, None, None, tokens, limits, one_kernel=False)
+        for got in (first, again):
+            assert torch.equal(got[0], ops.seq_q) and torch.equal(got[1], ops.seq_kv) and bool(got[4])
+            assert all(torch.equal(got[3][key], want) for key, want in ops.offsets.items())
+
+
 def test_invalid_cu_seqlens_stop_a_cuda_call_in_a_fresh_process():
     """The kernel's flag feeds the device assertion: an invalid row fails at the next sync
     (in a child process: a device assertion ends the CUDA context)."""

@@ -13,6 +13,14 @@ It serves rows without padded offsets, at most two multipliers per side and batc
 `MAX_BATCH_BUCKET`; anything else, CPU tensors, and a torch without Triton (torch's CUDA wheels
 ship it) get None and use the torch-op form. Both forms give the same values bit for bit (GPU
 test over the value-check cases and random batches).
+
+Two costs of the call itself are cut (host us per call on H200, one run: the JIT launch 18, the
+separate `torch._assert_async` 14.5): with ``check=True`` the kernel asserts the flag itself
+(`tl.device_assert`, the same asynchronous device assertion, in the same launch), and once a
+recipe's compiled kernel has been launched both through Triton's JIT entry and directly
+(`CompiledKernel`'s own launcher, on the current torch stream) with equal results, later calls
+use the direct launch, which skips the JIT's per-call argument binding and cache lookup. The
+comparison runs outside CUDA graph capture (it reads the two results on the host once).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ __all__ = ["prepare", "available", "MAX_BATCH_BUCKET"]
 #: one program covers the whole row: batches whose bucket exceeds this use the torch-op form
 MAX_BATCH_BUCKET = 4095
 _MIN_BLOCK = 16
+_CONSTEXPRS = ("BLOCK", "KV_ROW", "EXT", "NQ", "NKV", "CHECK")
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,12 +48,13 @@ def _kernel() -> Any:
         return None
 
     # runtime ints are not specialized: every token count and limit would otherwise be a new
-    # compilation class (value 1, multiples of 16, the rest)
-    @triton.jit(do_not_specialize=["batch", "bb", "tokens_q", "tokens_kv", "limit_q", "limit_kv", "mq0", "mq1",
-                                   "mkv0", "mkv1"])
+    # compilation class (value 1, multiples of 16, the rest); debug=True keeps tl.device_assert
+    # (compiled out otherwise)
+    @triton.jit(debug=True, do_not_specialize=["batch", "bb", "tokens_q", "tokens_kv", "limit_q", "limit_kv", "mq0",
+                                               "mq1", "mkv0", "mkv1"])
     def prepare_rows(cu_q, cu_kv, out, batch, bb, tokens_q, tokens_kv, limit_q, limit_kv, mq0, mq1, mkv0, mkv1,
                      BLOCK: tl.constexpr, KV_ROW: tl.constexpr, EXT: tl.constexpr, NQ: tl.constexpr,
-                     NKV: tl.constexpr):
+                     NKV: tl.constexpr, CHECK: tl.constexpr):
         i = tl.arange(0, BLOCK)
         row = i <= bb  # the (bb + 1,) offsets
         seq = i < bb  # the (bb,) lengths
@@ -79,7 +89,11 @@ def _kernel() -> Any:
         if NKV == 2:
             tl.store(out + p + i, ck * mkv1, mask=row)
             p += bb + 1
-        tl.store(out + p, (tl.sum(bad.to(tl.int32), axis=0) == 0).to(tl.int32))
+        ok = tl.sum(bad.to(tl.int32), axis=0) == 0
+        if CHECK:
+            tl.device_assert(ok, "fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at "
+                                 "the token count, give lengths <= max_seqlen")
+        tl.store(out + p, ok.to(tl.int32))
 
     return prepare_rows, triton.next_power_of_2
 
@@ -90,10 +104,11 @@ def available() -> bool:
 
 
 class _Recipe:
-    """What one (layout, shared row or not) needs per call: the launch's constant arguments
-    and the outputs' order and sizes in the one int32 buffer."""
+    """What one (layout, shared row or not) needs per call: the launch's constant arguments,
+    the outputs' order and sizes in the one int32 buffer, and (per check mode) the verified
+    direct launcher of the compiled kernel."""
 
-    __slots__ = ("size", "sizes", "names", "consts", "mults", "meta", "ext")
+    __slots__ = ("size", "sizes", "names", "consts", "mults", "meta", "ext", "direct", "picks")
 
     def __init__(self, layout: Any, kv_row: bool, next_pow2: Any) -> None:
         bb = layout.batch_bucket
@@ -110,12 +125,24 @@ class _Recipe:
         self.names = tuple(names) + ("ok",)
         self.sizes = tuple(bb if n in ("seq_q", "seq_kv") else 1 if n == "ok" else bb + 1 for n in self.names)
         self.size = sum(self.sizes)
+        self.direct: dict = {}  # check mode -> (launcher, constexpr values), once verified
+        at = {n: i for i, n in enumerate(self.names)}
+        offsets = []
+        for side, mults in (("q", layout.q_mults), ("kv", layout.kv_mults)):
+            for m in mults:
+                offsets.append(((side, m), at[(side, m)] if (side, m) in at else at[("q", m)]))
+        # (seq_q, seq_kv or None: seq_q's, tok_q or None: the caller's row, offsets, ok) positions
+        self.picks = (at["seq_q"], at.get("seq_kv"), at.get("tok_q"), tuple(offsets), at["ok"])
+
+    def meta_for(self, check: bool) -> dict:
+        return dict(self.meta, CHECK=check)
 
 
 def prepare(layout: Any, cu_q: torch.Tensor, cu_kv: torch.Tensor, tokens: Tuple[int, int],
-            limits: Tuple[int, int]) -> Optional[tuple]:
+            limits: Tuple[int, int], check: bool = False) -> Optional[tuple]:
     """(seq_q, seq_kv, tok_q, offsets, ok) as `varlen.prepare_unchecked` makes them, from one
-    launch; None where this kernel does not serve (see the module docstring)."""
+    launch; None where this kernel does not serve (see the module docstring). check=True: the
+    kernel also asserts the flag on the device (the caller needs no assertion of its own)."""
     if not cu_q.is_cuda or len(layout.q_mults) > 2 or len(layout.kv_mults) > 2 or layout.batch_bucket > MAX_BATCH_BUCKET:
         return None
     got = _kernel()
@@ -130,17 +157,44 @@ def prepare(layout: Any, cu_q: torch.Tensor, cu_kv: torch.Tensor, tokens: Tuple[
     out = torch.empty((recipe.size, 1, 1, 1), dtype=torch.int32, device=cu_q.device)
     limit_q, limit_kv = limits if kv_row else (min(limits), min(limits))
     args = (cu_q, cu_kv, out, *recipe.consts, tokens[0], tokens[1], limit_q, limit_kv, *recipe.mults)
-    if cu_q.device.index != torch._C._cuda_getDevice():
-        with torch.cuda.device(cu_q.device):
-            kernel[(1,)](*args, **recipe.meta)
+    device = cu_q.device.index
+    if device != torch._C._cuda_getDevice():
+        with torch.cuda.device(device):
+            _launch(kernel, recipe, args, check, device)
     else:
-        kernel[(1,)](*args, **recipe.meta)
-    parts = dict(zip(recipe.names, out.split_with_sizes(recipe.sizes)))
-    seq_q = parts["seq_q"]
-    seq_kv = parts["seq_kv"] if kv_row else seq_q
-    tok_q = parts["tok_q"].view(-1) if recipe.ext else cu_q
-    offsets = {}
-    for side, mults in (("q", layout.q_mults), ("kv", layout.kv_mults)):
-        for m in mults:
-            offsets[(side, m)] = parts[(side, m)] if (side, m) in parts else offsets[("q", m)]
-    return seq_q, seq_kv, tok_q, offsets, parts["ok"]
+        _launch(kernel, recipe, args, check, device)
+    parts = out.split_with_sizes(recipe.sizes)
+    i_seq_q, i_seq_kv, i_tok, i_offsets, i_ok = recipe.picks
+    seq_q = parts[i_seq_q]
+    seq_kv = seq_q if i_seq_kv is None else parts[i_seq_kv]
+    tok_q = cu_q if i_tok is None else parts[i_tok].view(-1)
+    return seq_q, seq_kv, tok_q, {key: parts[i] for key, i in i_offsets}, parts[i_ok]
+
+
+def _launch(kernel: Any, recipe: _Recipe, args: tuple, check: bool, device: int) -> None:
+    """One launch on the current stream: the verified direct launcher, else the JIT entry (which
+    then verifies the direct launcher outside capture, see the module docstring)."""
+    direct = recipe.direct.get(check)
+    if direct is not None:
+        launcher, constexprs = direct
+        launcher(*args, *constexprs, stream=torch._C._cuda_getCurrentRawStream(device))
+        return
+    meta = recipe.meta_for(check)
+    compiled = kernel[(1,)](*args, **meta)
+    if check not in recipe.direct and not torch.cuda.is_current_stream_capturing():
+        recipe.direct[check] = _verified_launcher(compiled, args, meta, device)
+
+
+def _verified_launcher(compiled: Any, args: tuple, meta: dict, device: int) -> Optional[tuple]:
+    """(launcher, constexpr values) of `compiled` if launching through it writes what the JIT
+    launch just wrote into args[2] (compared on the host once), else None (the JIT entry stays)."""
+    try:
+        constexprs = tuple(meta[k] for k in _CONSTEXPRS)
+        launcher = compiled[(1, 1, 1)]
+        again = torch.empty_like(args[2])
+        launcher(*args[:2], again, *args[3:], *constexprs, stream=torch._C._cuda_getCurrentRawStream(device))
+        if torch.equal(again, args[2]):
+            return launcher, constexprs
+    except Exception:  # noqa: BLE001 - a Triton whose compiled kernels launch differently: keep the JIT entry
+        pass
+    return None

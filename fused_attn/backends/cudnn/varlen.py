@@ -136,7 +136,11 @@ INVALID_CU_SEQLENS = ("fused_attn: invalid cu_seqlens: each must start at 0, be 
 
 
 def _prepare(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) -> ThdBatch:
-    thd, ok = prepare_unchecked(layout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits)
+    if pad_q is None and pad_kv is None:  # the one-kernel form asserts in its own launch
+        got = thd_kernel.prepare(layout, cu_q, cu_kv, tokens, limits, check=True)
+        if got is not None:
+            return ThdBatch(*got[:4])
+    thd, ok = _prepare_ops(layout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits)
     torch._assert_async(ok, INVALID_CU_SEQLENS)
     return thd
 
