@@ -73,9 +73,8 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
         raise ValueError(f"cu_seq must be on the query's device {device} or on the CPU, got {cu_seq.device}")
     limit = seq_len if max_doc_len is None else max_doc_len
     lens = cu_seq[:, 1:] - cu_seq[:, :-1]
-    on_host = cu_seq.device.type == "cpu" or (read_device_table and not torch.compiler.is_compiling()
-                                              and not _is_fake(cu_seq))
-    if torch.compiler.is_compiling() or not on_host or _is_fake(cu_seq):
+    read_here = (cu_seq.device.type == "cpu" or read_device_table) and not _is_fake(cu_seq)
+    if torch.compiler.is_compiling() or not read_here:
         # No host read on the hot path: a bad table stops the program at the next synchronization
         # with this device-side assertion (CPU tables raise ValueError right here).
         ok = ((cu_seq[:, 0] == 0).all() & (cu_seq[:, -1] == seq_len).all() & (lens >= 0).all()
@@ -129,7 +128,7 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
     key = (id(cu_seq), cu_seq._version, batch, seq_len, max_doc_len, device)
     hit = _OFFSETS.get_identity(key, (cu_seq,))
     if hit is None:
-        read = max_doc_len is None and cu_seq.device.type != "cpu" and not capturing((cu_seq,))
+        read = max_doc_len is None and cu_seq.is_cuda and not capturing((cu_seq,))
         longest = check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len, read_device_table=read)
         offsets = doc_cu_seqlens(cu_seq, seq_len)
         if offsets.device != device:  # a host table for device queries
