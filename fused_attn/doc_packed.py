@@ -72,11 +72,11 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
     if cu_seq.device != device and cu_seq.device.type != "cpu":
         raise ValueError(f"cu_seq must be on the query's device {device} or on the CPU, got {cu_seq.device}")
     limit = seq_len if max_doc_len is None else max_doc_len
-    lens = cu_seq[:, 1:] - cu_seq[:, :-1]
     read_here = (cu_seq.device.type == "cpu" or read_device_table) and not _is_fake(cu_seq)
     if torch.compiler.is_compiling() or not read_here:
         # No host read on the hot path: a bad table stops the program at the next synchronization
         # with this device-side assertion (CPU tables raise ValueError right here).
+        lens = cu_seq[:, 1:] - cu_seq[:, :-1]
         ok = ((cu_seq[:, 0] == 0).all() & (cu_seq[:, -1] == seq_len).all() & (lens >= 0).all()
               & (lens <= limit).all())
         torch._assert_async(ok, f"cu_seq rows must start at 0, end at S={seq_len}, be non-decreasing, and hold "
