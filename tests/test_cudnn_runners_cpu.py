@@ -282,6 +282,38 @@ def test_thd_runner_binds_every_slot(stub, kw):
     assert out.shape == (135, 4, 64) and lse.shape == (4, 135)
 
 
+@pytest.mark.parametrize("kw, served", [
+    (dict(attn_mask_type="causal"), True),
+    (dict(attn_mask_type="causal", window_size=(16, 0)), True),
+    (dict(attn_mask_type="no_mask"), False),
+    (dict(attn_mask_type="no_mask", window_size=(16, 16)), False),
+    (dict(attn_mask_type="causal", separate_offsets=True), False),
+    (dict(attn_mask_type="causal", score_mod=sm.causal()), True),  # the mod is the band itself: no callback
+])
+def test_score_mod_callbacks_on_packed_batches_need_keys_bounded_by_a_causal_mask(kw, served):
+    """cuDNN 9.19's ragged graphs mask no key past a sequence's length next to a score_mod: only a
+    top-left causal band over one cu_seqlens tensor keeps queries off them (GPU-measured)."""
+    kw = dict(kw)
+    q, k, v, varlen = _thd([5, 37, 130], [5, 37, 130])
+    varlen = varlen._replace(cu_seqlens_kv=varlen.cu_seqlens_q.clone() if kw.pop("separate_offsets", False)
+                             else varlen.cu_seqlens_q)
+    kw.setdefault("score_mod", sm.softcap(20.0))
+    spec, mod = resolve_spec(qkv_format="thd", backend="cudnn", **kw)
+    why = backend._mod_refusal(_static_problem(spec, mod, q, k, v, varlen, None, True), mod)  # CPU tensors here
+    assert (why is None) == served, why
+    if not served:
+        assert "do not mask keys past each sequence's length" in why and "backend='reference'" in why
+
+
+def test_padded_score_mod_without_causal_mask_is_refused():
+    q, k, v = (bf16(2, 128, 2, 64) for _ in range(3))
+    cu = torch.tensor([0, 100, 228], dtype=torch.int32)
+    for mask, served in (("padding", False), ("padding_causal", True)):
+        spec, mod = resolve_spec(attn_mask_type=mask, score_mod=sm.softcap(20.0), backend="cudnn")
+        why = backend._mod_refusal(_static_problem(spec, mod, q, k, v, Varlen(cu, cu), None, True), mod)
+        assert (why is None) == served, why
+
+
 def test_padded_dense_runs_as_packed(stub):
     from fused_attn.backends.cudnn.padded import PaddedAsThdRunner
 

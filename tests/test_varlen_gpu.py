@@ -55,18 +55,18 @@ def outside(offsets, lens, total):
     return rest
 
 
-def check(out, lse, grads, q, k, v, do, scale, mask=None, label=""):
+def check(out, lse, grads, q, k, v, do, scale, mask=None, label="", score_fn=None):
     """Logical (B, H, S, D) out, lse (B, H, Sq) and grads of (q, k, v) for cotangent `do` against
     float64 with the tolerance rule; lse rows without an allowed key must be -inf in both, the
     bound comes from the naive same-dtype lse of the rows that have one."""
     q, k, v, do = (t.detach() for t in (q, k, v, do))
     dtype = q.dtype
-    exact, exact_lse = reference_attention(q, k, v, scale, mask)
-    assert_close(out, exact, tolerance(q, k, v, scale, dtype, mask), label + "out")
-    _, naive_lse = reference_attention(q, k, v, scale, mask, dtype=dtype, softmax_dtype=torch.float32)
+    exact, exact_lse = reference_attention(q, k, v, scale, mask, score_fn)
+    assert_close(out, exact, tolerance(q, k, v, scale, dtype, mask, score_fn), label + "out")
+    _, naive_lse = reference_attention(q, k, v, scale, mask, score_fn, dtype=dtype, softmax_dtype=torch.float32)
     rows = torch.isfinite(exact_lse)
     assert_close(lse, exact_lse, bound_from(naive_lse[rows], exact_lse[rows], dtype), label + "lse")
-    want, bounds = grad_tolerances(q, k, v, do, scale, dtype, mask)
+    want, bounds = grad_tolerances(q, k, v, do, scale, dtype, mask, score_fn)
     for name, got, w, bound in zip(("dq", "dk", "dv"), grads, want, bounds):
         assert_close(got, w, bound, label + name)
 
@@ -148,3 +148,42 @@ def test_graph_builds_bounded_over_random_batches():
     # batch buckets {1, 2, 4, 8} x seq buckets {64..1024}: a handful, not one per step
     assert info.thd_builds <= 2 * 4 * 5 and info.thd_builds == info.builds
     assert info.builds < 50
+
+
+def test_score_mods_on_packed_batches_run_on_cudnn_only_where_keys_stay_inside_each_sequence():
+    """Next to a score_mod cuDNN 9.19's ragged graphs apply no key-length mask: a causal mask over
+    one cu_seqlens tensor keeps every query on keys of its own sequence (served, and exact per
+    sequence at lengths that leave partial key tiles); without a mask, with separate query and
+    key offsets, or with a window reaching right, the call is refused on backend='cudnn' and
+    backend='auto' runs it on the reference."""
+    import score_mods as sm
+
+    import fused_attn
+
+    lens, cap = [5, 37, 130, 64], 20.0
+    offs = cu(lens)
+    t = int(offs[-1])
+    q, k, v = (torch.randn(t, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn_like(q)
+    kw = dict(cu_seqlens_q=offs, cu_seqlens_kv=offs, max_seqlen_q=130, max_seqlen_kv=130,
+              score_mod=sm.softcap(cap))
+    out, lse, grads = run(q, k, v, grad, attn_mask_type="causal", **kw)
+    score_fn = lambda s, b, h, i, j: cap * torch.tanh(s / cap)
+    for b, (a, n) in enumerate(zip(offs.tolist(), lens)):
+        got = [seq(g, a, n) for g in grads]
+        check(seq(out, a, n), lse[:, a:a + n][None], got, seq(q, a, n), seq(k, a, n), seq(v, a, n), seq(grad, a, n),
+              1 / math.sqrt(64), sequence_mask(n, n, "causal"), f"sequence {b} ", score_fn)
+    with pytest.warns(fused_attn.FallbackWarning):
+        out = fused_attn.dot_product_attention(q, k, v, qkv_format="thd", attn_mask_type="no_mask", **kw)
+    for b, (a, n) in enumerate(zip(offs.tolist(), lens)):
+        exact, _ = reference_attention(seq(q, a, n).detach(), seq(k, a, n).detach(), seq(v, a, n).detach(),
+                                       1 / math.sqrt(64), None, score_fn)
+        assert_close(seq(out, a, n), exact, tolerance(seq(q, a, n).detach(), seq(k, a, n).detach(),
+                                                      seq(v, a, n).detach(), 1 / math.sqrt(64), torch.bfloat16,
+                                                      None, score_fn), f"auto, sequence {b}")
+    refused = [dict(attn_mask_type="no_mask", **kw), dict(attn_mask_type="no_mask", window_size=(8, 8), **kw),
+               dict(kw, attn_mask_type="causal", cu_seqlens_kv=offs.clone())]
+    for case in refused:
+        with pytest.raises(NotImplementedError, match="do not mask keys past each sequence's length"):
+            fused_attn.dot_product_attention(q, k, v, qkv_format="thd", backend="cudnn", **case)
+        assert fused_attn.explain(q, k, v, qkv_format="thd", **case).backend == "reference"

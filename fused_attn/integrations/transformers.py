@@ -472,7 +472,8 @@ def _lengths_from_ids(ids: torch.Tensor, sq: int, causal: bool, windowed: bool, 
     b = torch.arange(batch)
     same = bool((qe - qs == e - s).all())
     (lq, lk), (off_q, off_k) = _leading_gap([qe - qs, e - s], [b * sq + qs, b * width + s])
-    cu_q, cu_k = _cu(lq, device), _cu(lk, device)
+    cu_q = _cu(lq, device)
+    cu_k = cu_q if same else _cu(lk, device)  # one tensor: the core then knows q_len == kv_len per sequence
     pad_q, pad_k = _offsets(off_q, batch * sq, device), _offsets(off_k, batch * width, device)
     return _Lengths(False, width, cu_q, cu_k, pad_q, pad_k, int(lq.max()), int(lk.max()), same)
 

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from ...problem import Band
 from . import version
 
 __all__ = ["refusal", "make_runner", "saved_shape"]
@@ -69,6 +70,10 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
     trained = frozenset(t[0] for t in problem.mod_tensors if t[-1] and problem.needs_grad)
     mode = bias_mode(mod, trained)
     score_part, bias_part = split(mod) if mode is not None else (mod, None)
+    if problem.has_lengths and score_part is not None and not _runs_as_band(score_part, problem):
+        why = _key_tail_refusal(problem)
+        if why is not None:
+            return why
     if problem.needs_grad and score_part is not None:
         plan = getattr(score_part, "plan", None)
         kv_only = () if plan is None else plan.kv_broadcast_operands
@@ -100,11 +105,30 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
     return None
 
 
+def _key_tail_refusal(problem: Any) -> Optional[str]:
+    """Why a score_mod callback on a packed or padded batch would reach keys past a sequence's
+    length, or None. Next to a score_mod cuDNN 9.19's ragged graphs apply no key-length mask
+    (measured on H200: softcap without a mask off by O(1) wherever a sequence's key count leaves
+    a partial tile), and per-sequence graph inputs are read wrongly, so no mask in the callback
+    can bound the keys either. A top-left band with right bound 0 keeps query i on keys j <= i,
+    inside the sequence exactly when no sequence has more queries than keys: guaranteed when
+    queries and keys share one cu_seqlens tensor (self-attention, documents)."""
+    band = problem.spec.band
+    if band is not None and band.right == 0 and not band.bottom_right and problem.same_lengths:
+        return None
+    got = "no mask" if band is None else f"{band}" + ("" if problem.same_lengths else " with separate query and key "
+                                                      "cu_seqlens")
+    return (f"a score_mod on a packed (thd) or padded batch runs on cuDNN only under a top-left causal mask (or "
+            f"causal window) over queries and keys of one cu_seqlens tensor, got {got}: next to a score_mod, cuDNN "
+            "9.19's ragged graphs do not mask keys past each sequence's length (measured: outputs off by O(1)), and "
+            "only that mask keeps every query off them; use backend='reference'")
+
+
 def _runs_as_band(score_part: Any, problem: Any) -> bool:
     """The non-bias part is a causal mask the lowering runs as cuDNN's own band (no callback)."""
     native = getattr(score_part, "native_band", None)
     band = problem.spec.band
-    return native is not None and not problem.spec.padding and (band is None or tuple(band) == tuple(native))
+    return native is not None and not problem.spec.padding and (band is None or band == Band(*native))
 
 
 def _tensor_axes(mod: Any) -> dict:
