@@ -270,11 +270,17 @@ def _token_index(thd: ThdBatch, total_tokens: int, buckets: int, rows: int):
 
 def scatter_lse(lse: torch.Tensor, thd: ThdBatch, stats_shape: tuple) -> torch.Tensor:
     """Padded Stats (B_bucket, H, S_bucket, 1) fp32 from a packed lse (H, Tq): the inverse of
-    `gather_lse` (positions that are no token hold -inf)."""
-    stats = torch.full(stats_shape, float("-inf"), dtype=torch.float32, device=lse.device)
-    b, i, valid = _token_index(thd, lse.shape[1], stats_shape[0], stats_shape[2])
-    stats[b[valid], :, i[valid], 0] = lse.t()[valid]
-    return stats
+    `gather_lse` (positions that are no token hold -inf). A gather from the token side: no host
+    sync (a boolean-mask scatter reads its count on the host)."""
+    rows = stats_shape[2]
+    tokens = lse.shape[1]
+    if tokens == 0:
+        return torch.full(stats_shape, float("-inf"), dtype=torch.float32, device=lse.device)
+    pos = torch.arange(rows, device=lse.device)
+    index = (thd.tok_q[:-1].to(torch.int64).unsqueeze(1) + pos).clamp_(max=tokens - 1)  # (B_bucket, S)
+    valid = pos < thd.seq_q.view(-1, 1)
+    stats = torch.where(valid, lse.to(torch.float32)[:, index], float("-inf"))  # (H, B_bucket, S)
+    return stats.permute(1, 0, 2).unsqueeze(-1).contiguous()
 
 
 def token_rows_of_empty_kv(thd: ThdBatch, total_tokens: int) -> torch.Tensor:
