@@ -248,7 +248,7 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
                                 "TFLOP/s over real tokens: sum_i 4*H*D*s_i^2, half for causal",
                                 "checked against the float64 reference on every token (one sequence at a time)"])
     lengths = random_lengths(N, MAX_LEN, 64, seed=0)
-    variants = [(64, False), (64, True), (128, False)]
+    variants = [(64, False), (64, True), (128, False), (128, True)]
     for i, (d, causal) in enumerate(variants):
         result.extend(run_varlen_config(lengths, H, d, causal, device, quick, seed=i))
     for causal in ((False,) if quick else (False, True)):
