@@ -550,6 +550,11 @@ class Plan:
     kv_broadcast_operands: operands varying along kv_idx but broadcast along q_idx ((.., 1, Skv)):
     cuDNN 9.19's backward reads them wrongly (measured: w[kv_idx] terms, ids[kv_idx] masks; full
     (.., Sq, Skv) operands and (.., Sq, 1) ones are right).
+    batch_broadcast_operands: operands varying along b but broadcast along q_idx and kv_idx
+    ((B, 1|H, 1, 1): per-sequence scalars such as lens[b]) that an op other than `add` reads:
+    cuDNN 9.19 reads them wrongly there (measured on H200: `kv_idx < lens[b]` masks and
+    `score * w[b]` off by O(1) in the forward; `score + w[b]`, (1, H, 1, 1) and (B, 1, 1, Skv)
+    operands are right).
     unsupported: why the cuDNN lowering cannot run this mod (empty when it can).
     """
 
@@ -596,11 +601,27 @@ class Plan:
         kv_only = {name for name, (_, axes) in self.views.items() if "kv_idx" in axes and "q_idx" not in axes}
         kv_only |= {name for name, m in self.materialized.items() if "kv_idx" in m.axes and "q_idx" not in m.axes}
         self.kv_broadcast_operands = tuple(sorted(kv_only))
+        self.batch_broadcast_operands = tuple(sorted(self._batch_broadcast_reads()))
         # a mask whose condition reads an operand varying along the keys (a view or a materialized one)
         self.mask_reads_key_inputs = any(
             n.op == "select" and any(_varies_along_keys(self, x) for x in topo_order(n.args[2]))
             for n in topo_order(self.forward)
         )
+
+    def _batch_broadcast_reads(self) -> set:
+        """Names of (B, 1|H, 1, 1) operands read by an op other than `add` (forward or backward)."""
+        names = set()
+        for top in (self.forward, self.backward):
+            for n in topo_order(top):
+                if n.op == "add":
+                    continue
+                for a in n.args:
+                    if a.op not in ("tparam", "mat"):
+                        continue
+                    axes = self.operand_axes(a)
+                    if "b" in axes and "q_idx" not in axes and "kv_idx" not in axes:
+                        names.add(self.tensor_names[a] if a.op == "tparam" else a.attr)
+        return names
 
     def operand_axes(self, leaf: Node) -> Tuple[str, ...]:
         """The index axes a graph-input leaf ("tparam" view or "mat") varies along."""

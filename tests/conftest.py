@@ -101,3 +101,31 @@ def axis_bias_mods(w: torch.Tensor):
         return score + w[kv_idx]
 
     return query_bias(w=w), key_bias(w=w)
+
+
+def batch_table_mods(lens: torch.Tensor, w: torch.Tensor):
+    """Mods reading per-sequence tables: {name: (mod, reads a (B, 1|H, 1, 1) operand outside an add)}.
+    lens (B,) int32 key counts, w (B,) float; `mask_bkv` reads the same bound as a (B, S) table."""
+    import math
+
+    from score_mods import TensorParam, score_mod, where
+
+    @score_mod(name="add_b")
+    def add_b(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
+        return score + w[b]
+
+    @score_mod(name="mul_b")
+    def mul_b(score, b, h, q_idx, kv_idx, w=TensorParam("float")):
+        return score * w[b]
+
+    @score_mod(name="mask_b")
+    def mask_b(score, b, h, q_idx, kv_idx, lens=TensorParam("int")):
+        return where(kv_idx < lens[b], score, -math.inf)
+
+    @score_mod(name="mask_bkv")
+    def mask_bkv(score, b, h, q_idx, kv_idx, keep=TensorParam("int")):
+        return where(keep[b, kv_idx] != 0, score, -math.inf)
+
+    keep = (torch.arange(256, device=lens.device)[None, :] < lens[:, None]).to(torch.int32)
+    return {"add_b": (add_b(w=w), False), "mul_b": (mul_b(w=w), True), "mask_b": (mask_b(lens=lens), True),
+            "mask_bkv": (mask_bkv(keep=keep), False)}

@@ -432,6 +432,22 @@ def test_backward_refused_exactly_for_inputs_varying_along_keys_only(name, grad)
     assert mod.has_backward == (name != "document_mask")
 
 
+@pytest.mark.parametrize("name", ["add_b", "mul_b", "mask_b", "mask_bkv"])
+def test_batch_only_inputs_are_refused_in_masks_and_products(name):
+    """cuDNN 9.19 reads a (B, 1|H, 1, 1) graph input wrongly inside a mask or a product (H200:
+    outputs off by O(1)); added to the score, or read along the keys too, it is right."""
+    from conftest import batch_table_mods
+    from fused_attn.backends.cudnn import _mod_refusal
+
+    mod, refused = batch_table_mods(torch.tensor([5, 200], dtype=torch.int32), torch.randn(2))[name]
+    q, k, v = (bf16(2, 2, 256, 64) for _ in range(3))
+    spec, m = resolve_spec(qkv_format="bhsd", score_mod=mod, backend="cudnn")
+    why = _mod_refusal(_static_problem(spec, m, q, k, v, NO_VARLEN, None, False), spec.score_mod)
+    assert (why is not None) == refused, why
+    if refused:
+        assert "varies along the batch only" in why and "@b" in why
+
+
 def test_operand_memo_follows_in_place_value_changes(stub):
     """The runner reuses a mod's bound operands across calls, and a value changed in place
     (take_values: what a module's score_mod assignment does) is bound on the next call."""

@@ -266,3 +266,32 @@ def test_query_axis_inputs_train_on_cudnn_and_key_axis_inputs_are_refused(dtype)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     with pytest.warns(fused_attn.FallbackWarning, match="along the keys only"):
         fused_attn.dot_product_attention(*leaves, qkv_format="bhsd", score_mod=key_bias)
+
+
+def test_batch_only_inputs_run_on_cudnn_only_where_read_right():
+    """Per-sequence scalars ((B, 1, 1, 1) graph inputs): added to the score, or as a (B, S) table
+    read along the keys, they run on cuDNN within the rule; in a mask or a product (read wrongly
+    by cuDNN 9.19, measured) the call is refused on backend='cudnn'."""
+    fused_attn = pytest.importorskip("fused_attn")
+    from conftest import batch_table_mods
+    from fused_attn import testing
+
+    dev, s = torch.device("cuda"), 256
+    g = torch.Generator(device="cpu").manual_seed(5)
+    lens, w = torch.tensor([5, 200, 130, 256], dtype=torch.int32, device=dev), torch.randn(4, generator=g).to(dev)
+    q, k, v = (torch.randn(4, 4, s, 64, generator=g).to(dev) for _ in range(3))
+    scale = 64 ** -0.5
+    kv_ok = torch.arange(s, device=dev)[None, None, None, :] < lens.view(-1, 1, 1, 1)
+    fns = {"add_b": lambda sc, b, h, qi, ki: sc + w.double()[b], "mask_bkv": lambda sc, b, h, qi, ki: sc}
+    for name, (mod, refused) in batch_table_mods(lens, w).items():
+        lo = [t.to(torch.bfloat16) for t in (q, k, v)]
+        if refused:
+            with pytest.raises(NotImplementedError, match="varies along the batch only"):
+                fused_attn.dot_product_attention(*lo, qkv_format="bhsd", score_mod=mod, backend="cudnn")
+            continue
+        mask = kv_ok if name == "mask_bkv" else None
+        with torch.no_grad():
+            out = fused_attn.dot_product_attention(*lo, qkv_format="bhsd", score_mod=mod, backend="cudnn")
+        exact, _ = testing.reference_attention(q, k, v, scale, mask, fns[name])
+        testing.assert_close(out.float(), exact.float(),
+                             testing.tolerance(q, k, v, scale, torch.bfloat16, mask, fns[name]), what=name)

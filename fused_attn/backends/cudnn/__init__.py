@@ -74,6 +74,12 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
         why = _key_tail_refusal(problem)
         if why is not None:
             return why
+    batch_only = () if score_part is None else getattr(getattr(score_part, "plan", None), "batch_broadcast_operands", ())
+    if batch_only:
+        return (f"score_mod {mod.name!r} reads {', '.join(batch_only)} inside the graph in a mask or product: an "
+                "input that varies along the batch only ((B, 1|H, 1, 1), a per-sequence scalar such as lens[b]), "
+                "which cuDNN 9.19 reads wrongly there (measured on H200: outputs off by O(1)); index it along the "
+                "keys or queries as well (e.g. a (B, Skv) table read at [b, kv_idx]), or use backend='reference'")
     if problem.needs_grad and score_part is not None:
         plan = getattr(score_part, "plan", None)
         kv_only = () if plan is None else plan.kv_broadcast_operands
