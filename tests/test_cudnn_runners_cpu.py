@@ -10,6 +10,8 @@ the lse-given backward) runs its binding and allocation logic in CI.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -282,27 +284,61 @@ def test_thd_runner_binds_every_slot(stub, kw):
     assert out.shape == (135, 4, 64) and lse.shape == (4, 135)
 
 
-@pytest.mark.parametrize("kw, served", [
-    (dict(attn_mask_type="causal"), True),
-    (dict(attn_mask_type="causal", window_size=(16, 0)), True),
-    (dict(attn_mask_type="no_mask"), False),
-    (dict(attn_mask_type="no_mask", window_size=(16, 16)), False),
-    (dict(attn_mask_type="causal", separate_offsets=True), False),
-    (dict(attn_mask_type="causal", score_mod=sm.causal()), True),  # the mod is the band itself: no callback
+@pytest.mark.parametrize("kw, dense", [
+    (dict(attn_mask_type="causal"), False),
+    (dict(attn_mask_type="causal", window_size=(16, 0)), False),
+    (dict(attn_mask_type="no_mask"), True),
+    (dict(attn_mask_type="no_mask", window_size=(16, 16)), True),
+    (dict(attn_mask_type="causal", separate_offsets=True), True),
+    (dict(attn_mask_type="causal_bottom_right", separate_offsets=True), True),
+    (dict(attn_mask_type="causal", score_mod=sm.causal()), False),  # the mod is the band itself: no callback
 ])
-def test_score_mod_callbacks_on_packed_batches_need_keys_bounded_by_a_causal_mask(kw, served):
+def test_packed_score_mods_the_ragged_graph_cannot_bound_run_as_a_padded_dense_batch(stub, kw, dense):
     """cuDNN 9.19's ragged graphs mask no key past a sequence's length next to a score_mod: only a
-    top-left causal band over one cu_seqlens tensor keeps queries off them (GPU-measured)."""
+    top-left causal band over one cu_seqlens tensor keeps queries off them (GPU-measured); every
+    other packed score_mod call is served as a zero-padded dense batch with the bounds as a bias."""
+    from fused_attn.backends.cudnn import _key_tail_refusal, runs_as_dense
+
     kw = dict(kw)
     q, k, v, varlen = _thd([5, 37, 130], [5, 37, 130])
     varlen = varlen._replace(cu_seqlens_kv=varlen.cu_seqlens_q.clone() if kw.pop("separate_offsets", False)
                              else varlen.cu_seqlens_q)
     kw.setdefault("score_mod", sm.softcap(20.0))
     spec, mod = resolve_spec(qkv_format="thd", backend="cudnn", **kw)
-    why = backend._mod_refusal(_static_problem(spec, mod, q, k, v, varlen, None, True), mod)  # CPU tensors here
-    assert (why is None) == served, why
-    if not served:
-        assert "do not mask keys past each sequence's length" in why and "backend='reference'" in why
+    problem = _static_problem(spec, mod, q, k, v, varlen, None, True)
+    assert runs_as_dense(problem) == dense
+    assert backend._mod_refusal(problem, mod) is None
+    if dense:
+        why = _key_tail_refusal(problem)
+        assert "do not mask keys past each sequence's length" in why
+
+
+@pytest.mark.parametrize("kw", [dict(attn_mask_type="no_mask"), dict(attn_mask_type="causal_bottom_right"),
+                                dict(attn_mask_type="no_mask", window_size=(8, 8))])
+def test_packed_as_dense_runner_binds_every_slot(stub, kw):
+    from fused_attn.backends.cudnn.packed_dense import PackedAsDenseRunner
+
+    q, k, v, varlen = _thd([5, 9, 0, 130], [9, 3, 4, 200])
+    runner, mod = runner_for(q, k, v, varlen, qkv_format="thd", backend="cudnn", return_lse=True,
+                             score_mod=sm.softcap(20.0), **kw)
+    assert isinstance(runner, PackedAsDenseRunner)
+    out, lse = full_cycle(runner, q, k, v, varlen, mod, None, [])
+    assert out.shape == (144, 4, 64) and lse.shape == (4, 144)
+    assert all("bias" in s for s in stub)  # the bounds reach the dense graph as its bias input
+
+
+def test_packed_as_dense_refuses_sinks_and_huge_biases():
+    from fused_attn.backends.cudnn import packed_dense
+
+    q, k, v, varlen = _thd([5, 9], [9, 3])
+    for kw, match in ((dict(softmax_type="off-by-one"), "sinks or dropout"), (dict(dropout_p=0.1), "sinks or dropout")):
+        spec, mod = resolve_spec(qkv_format="thd", attn_mask_type="no_mask", score_mod=sm.softcap(20.0), **kw)
+        why = packed_dense.refusal(_static_problem(spec, mod, q, k, v, varlen, None, True), lambda p: None)
+        assert why is not None and match in why
+    spec, mod = resolve_spec(qkv_format="thd", attn_mask_type="no_mask", score_mod=sm.softcap(20.0))
+    problem = _static_problem(spec, mod, q, k, v, varlen, None, True)
+    big = dataclasses.replace(problem, batch=1 << 14, seqlen_q=1 << 14, seqlen_kv=1 << 14)
+    assert "bias of" in packed_dense.refusal(big, lambda p: None)
 
 
 def test_padded_score_mod_without_causal_mask_is_refused():
@@ -329,13 +365,21 @@ def test_padded_dense_runs_as_packed(stub):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(score_mod=sm.softcap(20.0), attn_mask_type="causal"),
-                                dict(softmax_type="off-by-one")])
+                                dict(softmax_type="off-by-one"),
+                                dict(score_mod=sm.softcap(20.0), attn_mask_type="causal_bottom_right",
+                                     qkv_format="thd")])
 def test_cudnn_runner_through_the_custom_ops_under_compile(stub, kw):
-    """The compiled path (custom ops, fake shapes, backward op) with the cuDNN backend's runners."""
+    """The compiled path (custom ops, fake shapes, backward op) with the cuDNN backend's runners
+    (the packed bottom-right case runs as a padded dense batch: its saved Stats are dense)."""
     import fused_attn
 
     torch._dynamo.reset()
     q, k, v = (bf16(2, 128, 2, 64, grad=True) for _ in range(3))
+    if kw.get("qkv_format") == "thd":  # packed: queries 100 / 28 of keys 128 / 128
+        k, v = (bf16(256, 2, 64, grad=True) for _ in range(2))
+        q = bf16(128, 2, 64, grad=True)
+        kw = dict(kw, cu_seqlens_q=torch.tensor([0, 100, 128], dtype=torch.int32),
+                  cu_seqlens_kv=torch.tensor([0, 128, 256], dtype=torch.int32), max_seqlen_q=100, max_seqlen_kv=128)
 
     def f(a, b, c):
         return fused_attn.dot_product_attention(a, b, c, backend="cudnn", **kw)

@@ -80,6 +80,48 @@ def test_matches_torch_varlen(window, gqa):
         assert _err(a, b) <= 2e-2 * scale + 1e-2, name
 
 
+@pytest.mark.parametrize("gqa", [False, True])
+def test_bottom_right_causal_with_a_score_mod_runs_on_cudnn(gqa):
+    """Chunked prefill / cross-attention: causal (bottom-right per sequence) + softcap with other
+    query than key lengths runs on cuDNN (as a padded dense batch with the bounds as its bias),
+    each sequence against float64 with the tolerance rule, gradients included."""
+    import math
+
+    import score_mods as sm
+    from conftest import band_mask
+    from fused_attn import AuxRequest, explain, varlen_attn
+    from fused_attn.testing import assert_close, bound_from, grad_tolerances, reference_attention, tolerance
+
+    lens_q, lens_k = [64, 1, 300, 0, 130, 7], [1000, 1, 300, 5, 64, 70]
+    (h, hkv), cap = (8, 2) if gqa else (8, 8), 30.0
+    q, _, _, cu_q = _packed(lens_q, h, hkv, 64)
+    _, k, v, cu_k = _packed(lens_k, h, hkv, 64)
+    how = explain(q, k, v, qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=300,
+                  max_seqlen_kv=1000, attn_mask_type="causal_bottom_right", score_mod=sm.softcap(cap))
+    assert how.backend == "cudnn", how
+    out, lse = varlen_attn(q, k, v, cu_q, cu_k, 300, 1000, return_aux=AuxRequest(lse=True), window_size=(-1, 0),
+                           enable_gqa=gqa, score_mod=sm.softcap(cap))
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    fn = lambda s, b, hh, i, j: cap * torch.tanh(s / cap)
+    scale = 1 / math.sqrt(64)
+    sl = lambda t, a, n: t[a:a + n].detach().transpose(0, 1)[None]
+    for b, (a, c, lq, lk) in enumerate(zip(cu_q.tolist(), cu_k.tolist(), lens_q, lens_k)):
+        if lq == 0:
+            continue
+        x = (sl(q, a, lq), sl(k, c, lk), sl(v, c, lk))
+        mask = band_mask(lq, lk, -1, 0, bottom_right=True)
+        exact, exact_lse = reference_attention(*x, scale, mask, fn)
+        assert_close(sl(out, a, lq), exact, tolerance(*x, scale, torch.bfloat16, mask, fn), f"sequence {b} out")
+        _, naive_lse = reference_attention(*x, scale, mask, fn, dtype=torch.bfloat16, softmax_dtype=torch.float32)
+        rows = torch.isfinite(exact_lse)
+        assert_close(lse[:, a:a + lq][None], exact_lse, bound_from(naive_lse[rows], exact_lse[rows], torch.bfloat16),
+                     f"sequence {b} lse")
+        want, bounds = grad_tolerances(*x, sl(do, a, lq), scale, torch.bfloat16, mask, fn)
+        for name, g, off, n, w, bound in zip("qkv", grads, (a, c, c), (lq, lk, lk), want, bounds):
+            assert_close(sl(g, off, n), w, bound, f"sequence {b} d{name}")
+
+
 def test_doc_packed_matches_per_document_sdpa():
     from fused_attn import doc_packed_attn
 

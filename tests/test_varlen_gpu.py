@@ -88,7 +88,22 @@ CASES = [
     dict(lens_q=[3, 77, 11], lens_kv=[3, 77, 11], h=8, hkv=2),
     dict(lens_q=[3, 77, 11], lens_kv=[5, 60, 11], gap=3, attn_mask_type="causal"),
     dict(lens_q=[64, 1], lens_kv=[64, 1], dv=32),
+    # score_mods: on the ragged graph under a causal mask over one offsets tensor; every other form
+    # (no mask, windows, bottom-right with q != kv, q > kv, empty sides, gaps) as a padded dense batch
+    dict(lens_q=[5, 37, 130, 64], lens_kv=None, attn_mask_type="causal", softcap=20.0),
+    dict(lens_q=[5, 37, 130, 64], lens_kv=None, softcap=20.0),
+    dict(lens_q=[5, 1, 37, 64, 3, 0, 8, 130], lens_kv=[9, 3, 37, 200, 1, 4, 0, 130],
+         attn_mask_type="causal_bottom_right", softcap=20.0),
+    dict(lens_q=[64, 200, 7], lens_kv=[300, 64, 7], attn_mask_type="causal_bottom_right", softcap=5.0, h=8, hkv=2),
+    dict(lens_q=[3, 77, 11], lens_kv=[5, 60, 11], gap=3, attn_mask_type="causal_bottom_right", softcap=20.0),
+    dict(lens_q=[33, 7, 130], lens_kv=[40, 9, 131], window_size=(8, 8), softcap=20.0),
+    dict(lens_q=[33, 7, 130], lens_kv=[40, 9, 131], attn_mask_type="causal_bottom_right", window_size=(8, 0),
+         alibi=True),
 ]
+
+
+def softcap_fn(cap):
+    return lambda s, b, h, i, j: cap * torch.tanh(s / cap)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -97,8 +112,23 @@ def test_thd_vs_reference(case, dtype):
     case = dict(case)
     lens_q, lens_kv = case.pop("lens_q"), case.pop("lens_kv")
     h, hkv, d, dv, gap = case.pop("h", 4), case.pop("hkv", 4), 64, case.pop("dv", 64), case.pop("gap", 0)
+    cap, alibi = case.pop("softcap", None), case.pop("alibi", False)
+    score_fn = None
+    if cap is not None:
+        import score_mods as sm
+
+        case["score_mod"], score_fn = sm.softcap(cap), softcap_fn(cap)
+    if alibi:  # positions within each sequence, as the reference reads them
+        import score_mods as sm
+
+        slopes = sm.alibi_slopes(h).cuda()
+        case["score_mod"] = sm.alibi(slopes)
+        score_fn = lambda s, b, hh, i, j: s + slopes.double()[hh] * (j - i)
+    share = lens_kv is None  # queries and keys in one offsets tensor
+    lens_kv = lens_q if share else lens_kv
     cq, ckv = cu(lens_q, gap), cu(lens_kv, gap)
-    kw = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_kv=cu(lens_kv), max_seqlen_q=max(lens_q),
+    cu_q = cu(lens_q)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_q if share else cu(lens_kv), max_seqlen_q=max(lens_q),
               max_seqlen_kv=max(lens_kv), **case)
     if gap:
         kw.update(cu_seqlens_q_padded=cq, cu_seqlens_kv_padded=ckv)
@@ -117,7 +147,7 @@ def test_thd_vs_reference(case, dtype):
         mask = sequence_mask(lq, lkv, case.get("attn_mask_type", "no_mask"), case.get("window_size"))
         got = [seq(grads[0], a, lq), seq(grads[1], c, lkv), seq(grads[2], c, lkv)]
         check(seq(out, a, lq), lse[:, a:a + lq][None], got, seq(q, a, lq), seq(k, c, lkv), seq(v, c, lkv),
-              seq(grad, a, lq), 1 / math.sqrt(d), mask, f"sequence {b} ")
+              seq(grad, a, lq), 1 / math.sqrt(d), mask, f"sequence {b} ", score_fn)
     if gap:  # nothing written between sequences
         rest_q, rest_kv = outside(off_q, lens_q, tq), outside(off_kv, lens_kv, tkv)
         for name, t, rest in (("out", out, rest_q), ("dq", grads[0], rest_q), ("dk", grads[1], rest_kv),
@@ -148,42 +178,3 @@ def test_graph_builds_bounded_over_random_batches():
     # batch buckets {1, 2, 4, 8} x seq buckets {64..1024}: a handful, not one per step
     assert info.thd_builds <= 2 * 4 * 5 and info.thd_builds == info.builds
     assert info.builds < 50
-
-
-def test_score_mods_on_packed_batches_run_on_cudnn_only_where_keys_stay_inside_each_sequence():
-    """Next to a score_mod cuDNN 9.19's ragged graphs apply no key-length mask: a causal mask over
-    one cu_seqlens tensor keeps every query on keys of its own sequence (served, and exact per
-    sequence at lengths that leave partial key tiles); without a mask, with separate query and
-    key offsets, or with a window reaching right, the call is refused on backend='cudnn' and
-    backend='auto' runs it on the reference."""
-    import score_mods as sm
-
-    import fused_attn
-
-    lens, cap = [5, 37, 130, 64], 20.0
-    offs = cu(lens)
-    t = int(offs[-1])
-    q, k, v = (torch.randn(t, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    grad = torch.randn_like(q)
-    kw = dict(cu_seqlens_q=offs, cu_seqlens_kv=offs, max_seqlen_q=130, max_seqlen_kv=130,
-              score_mod=sm.softcap(cap))
-    out, lse, grads = run(q, k, v, grad, attn_mask_type="causal", **kw)
-    score_fn = lambda s, b, h, i, j: cap * torch.tanh(s / cap)
-    for b, (a, n) in enumerate(zip(offs.tolist(), lens)):
-        got = [seq(g, a, n) for g in grads]
-        check(seq(out, a, n), lse[:, a:a + n][None], got, seq(q, a, n), seq(k, a, n), seq(v, a, n), seq(grad, a, n),
-              1 / math.sqrt(64), sequence_mask(n, n, "causal"), f"sequence {b} ", score_fn)
-    with pytest.warns(fused_attn.FallbackWarning):
-        out = fused_attn.dot_product_attention(q, k, v, qkv_format="thd", attn_mask_type="no_mask", **kw)
-    for b, (a, n) in enumerate(zip(offs.tolist(), lens)):
-        exact, _ = reference_attention(seq(q, a, n).detach(), seq(k, a, n).detach(), seq(v, a, n).detach(),
-                                       1 / math.sqrt(64), None, score_fn)
-        assert_close(seq(out, a, n), exact, tolerance(seq(q, a, n).detach(), seq(k, a, n).detach(),
-                                                      seq(v, a, n).detach(), 1 / math.sqrt(64), torch.bfloat16,
-                                                      None, score_fn), f"auto, sequence {b}")
-    refused = [dict(attn_mask_type="no_mask", **kw), dict(attn_mask_type="no_mask", window_size=(8, 8), **kw),
-               dict(kw, attn_mask_type="causal", cu_seqlens_kv=offs.clone())]
-    for case in refused:
-        with pytest.raises(NotImplementedError, match="do not mask keys past each sequence's length"):
-            fused_attn.dot_product_attention(q, k, v, qkv_format="thd", backend="cudnn", **case)
-        assert fused_attn.explain(q, k, v, qkv_format="thd", **case).backend == "reference"

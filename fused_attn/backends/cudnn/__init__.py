@@ -62,18 +62,23 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
     if mod.needs_host_lengths and problem.has_lengths:
         return (f"score_mod {mod.name!r} compares positions against per-sequence lengths "
                 "(bottom-right alignment), which cuDNN computes wrongly on packed or padded batches")
-    if problem.spec.band is not None and problem.spec.band.bottom_right and problem.has_lengths:
+    if problem.spec.band is not None and problem.spec.band.bottom_right and problem.spec.padding:
         native = getattr(mod, "native_band", None)
         if native is None:
-            return ("a bottom-right mask together with a score_mod on packed or padded batches: cuDNN refuses its "
-                    "own band next to a score_mod and computes per-sequence offsets wrongly")
+            return ("a bottom-right mask together with a score_mod on padded batches: cuDNN refuses its own band "
+                    "next to a score_mod and computes per-sequence offsets wrongly (pass the batch packed, thd)")
     trained = frozenset(t[0] for t in problem.mod_tensors if t[-1] and problem.needs_grad)
     mode = bias_mode(mod, trained)
     score_part, bias_part = split(mod) if mode is not None else (mod, None)
     if problem.has_lengths and score_part is not None and not _runs_as_band(score_part, problem):
         why = _key_tail_refusal(problem)
         if why is not None:
-            return why
+            if not problem.is_packed:
+                return why
+            from .packed_dense import refusal as dense_refusal
+
+            why_dense = dense_refusal(problem, refusal)  # the padded dense batch checks the rest
+            return None if why_dense is None else f"{why} (the padded dense form that serves such calls: {why_dense})"
     batch_only = () if score_part is None else getattr(getattr(score_part, "plan", None), "batch_broadcast_operands", ())
     if batch_only:
         return (f"score_mod {mod.name!r} reads {', '.join(batch_only)} inside the graph in a mask or product: an "
@@ -109,6 +114,20 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
                     "is wrong when the graph also has a score_mod callback (measured on cuDNN 9.19); train the bias "
                     "alone (post_scale_bias) or use backend='reference'")
     return None
+
+
+def runs_as_dense(problem: Any) -> bool:
+    """A packed problem whose score_mod callback the ragged graphs cannot bound: it runs as a
+    zero-padded dense batch (`packed_dense`)."""
+    mod = problem.spec.score_mod
+    if not problem.is_packed or mod is None:
+        return False
+    from .lowering import bias_mode, split
+
+    trained = frozenset(t[0] for t in problem.mod_tensors if t[-1] and problem.needs_grad)
+    score_part = split(mod)[0] if bias_mode(mod, trained) is not None else mod
+    return (score_part is not None and not _runs_as_band(score_part, problem)
+            and _key_tail_refusal(problem) is not None)
 
 
 def _key_tail_refusal(problem: Any) -> Optional[str]:
@@ -161,6 +180,10 @@ def make_runner(problem: Any, into: Any = None) -> Any:
         if problem.is_packed or _padded_as_thd(problem):
             raise ValueError("make_runner: into= serves dense problems only")  # pragma: no cover - internal
         return DenseRunner(problem, backend_version, into)
+    if runs_as_dense(problem):
+        from .packed_dense import PackedAsDenseRunner
+
+        return PackedAsDenseRunner(problem, backend_version)
     if problem.is_packed:
         from .thd import ThdRunner
 
@@ -190,6 +213,8 @@ def saved_shape(problem: Any) -> Tuple[int, ...]:
         from .padded import thd_problem
 
         problem = thd_problem(problem)
+    if runs_as_dense(problem):  # the dense graph's Stats
+        return (problem.batch, problem.heads, problem.seqlen_q, 1)
     if not problem.is_packed:
         return (problem.batch, problem.heads, problem.seqlen_q, 1)
     from .varlen import bucket_batch
