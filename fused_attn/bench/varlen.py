@@ -183,6 +183,78 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
                       rep_ms=40.0 if quick else 80.0)
 
 
+def reference_chunked(q, k, v, do, lens_q: Sequence[int], lens_k: Sequence[int], cap: float,
+                      dtype) -> Dict[str, torch.Tensor]:
+    """Naive softcapped attention with a bottom-right causal mask per sequence (query i of q_len
+    attends keys j <= i + k_len - q_len), packed (T, H, D) in and out, one sequence at a time."""
+    parts: Dict[str, List[torch.Tensor]] = {key: [] for key in ("out", "dq", "dk", "dv")}
+    sq = sk = 0
+    scale = 1 / math.sqrt(q.shape[-1])
+    score_fn = lambda s, b, h, i, j: cap * torch.tanh(s / cap)
+    for nq, nk in zip(lens_q, lens_k):
+        sl = [t.detach()[a:a + n].transpose(0, 1).unsqueeze(0) for t, a, n in
+              ((q, sq, nq), (k, sk, nk), (v, sk, nk), (do, sq, nq))]
+        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+        res = naive_attention(*sl[:3], scale=scale, dtype=dtype, mask=mask, score_fn=score_fn, grad_out=sl[3])
+        for key, t in res.items():
+            parts[key].append(t[0].transpose(0, 1))
+        sq, sk = sq + nq, sk + nk
+    return {key: torch.cat(ts) for key, ts in parts.items()}
+
+
+def run_chunked_prefill(device, quick: bool, *, n: int = N, chunk: int = 512, max_cached: int = 3072, h: int = H,
+                        d: int = 128, cap: float = 30.0, seed: int = 21) -> SuiteResult:
+    """Chunked prefill with a logit softcap (Gemma 2 style): each sequence's `chunk` new queries
+    attend its cached keys and, causally, its own (bottom-right per sequence). fused_attn.varlen_attn
+    (on cuDNN as a padded dense batch with the bounds as a bias) vs flex_attention with the same
+    mask as a block mask (built outside the timed call) and the reference backend."""
+    import fused_attn
+    import score_mods as sm
+
+    cached = random_lengths(n, max_cached, 64, seed)
+    lens_q, lens_k = [chunk] * n, [chunk + c for c in cached]
+    q, _, _, do = _packed(sum(lens_q), h, d, device, seed)
+    _, k, v, _ = _packed(sum(lens_k), h, d, device, seed + 1)
+    cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
+    expected, bounds = reference_and_bounds(lambda dt: reference_chunked(q, k, v, do, lens_q, lens_k, cap, dt),
+                                            q.dtype)
+    mod = sm.softcap(cap)
+    impls = [_autograd_impl("fused_attn", lambda a, b, c: fused_attn.varlen_attn(
+        a, b, c, cu_q, cu_k, chunk, max(lens_k), window_size=(-1, 0), score_mod=mod), (q, k, v), do, True)]
+    if device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from .bench_mods import _compiled_flex
+
+        doc_q = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(lens_q, device=device))
+        doc_k = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(lens_k, device=device))
+        pos_q = torch.arange(sum(lens_q), device=device) - cu_q[:-1].long()[doc_q]
+        pos_k = torch.arange(sum(lens_k), device=device) - cu_k[:-1].long()[doc_k]
+        shift = torch.tensor(cached, device=device)
+
+        def mask_mod(bi, hi, qi, ki):
+            return (doc_q[qi] == doc_k[ki]) & (pos_k[ki] <= pos_q[qi] + shift[doc_q[qi]])
+
+        def softcap_mod(score, bi, hi, qi, ki):
+            return cap * torch.tanh(score / cap)
+
+        block_mask = create_block_mask(mask_mod, 1, None, sum(lens_q), sum(lens_k), device=device)
+        flex = _compiled_flex()
+        fn = lambda a, b, c: flex(a.transpose(0, 1)[None], b.transpose(0, 1)[None], c.transpose(0, 1)[None],
+                                  score_mod=softcap_mod, block_mask=block_mask)[0].transpose(0, 1)
+        impls.append(_autograd_impl("flex_attention", fn, (q, k, v), do, False,
+                                    note="block mask built outside the timed call"))
+        impls.append(_autograd_impl("reference", lambda a, b, c: fused_attn.dot_product_attention(
+                a, b, c, qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=chunk,
+                max_seqlen_kv=max(lens_k), attn_mask_type="causal_bottom_right", score_mod=mod, backend="reference"),
+            (q, k, v), do, False, note="the backend such calls ran on before"))
+    pairs = sum(nq * (nk - nq) + nq * (nq + 1) // 2 for nq, nk in zip(lens_q, lens_k))
+    flops = {"fwd": 4.0 * h * d * pairs, "fwd_bwd": 4.0 * h * d * pairs * 3.5}
+    config = f"chunked prefill N{n} chunk{chunk} kv{min(lens_k)}-{max(lens_k)} H{h} D{d} softcap{cap:g}"
+    return run_config("varlen", config, impls, expected, bounds, lambda key, t: t, flops, device,
+                      rep_ms=40.0 if quick else 80.0)
+
+
 def run_training_loop(device, steps: int, *, n: int = N, max_len: int = MAX_LEN, h: int = H, d: int = 64,
                       seed: int = 3) -> SuiteResult:
     """fwd+bwd of varlen_attn over `steps` random-length batches vs the same count at fixed shapes.
@@ -251,6 +323,7 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
     variants = [(64, False), (64, True), (128, False), (128, True)]
     for i, (d, causal) in enumerate(variants):
         result.extend(run_varlen_config(lengths, H, d, causal, device, quick, seed=i))
+    result.extend(run_chunked_prefill(device, quick))
     for causal in ((False,) if quick else (False, True)):
         for docs in (1, 4, 16, 64):  # documents per row
             result.extend(run_doc_packed(device, quick, docs=docs, causal=causal))
