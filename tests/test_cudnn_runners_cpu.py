@@ -339,6 +339,12 @@ def test_packed_as_dense_refuses_sinks_and_huge_biases():
     problem = _static_problem(spec, mod, q, k, v, varlen, None, True)
     big = dataclasses.replace(problem, batch=1 << 14, seqlen_q=1 << 14, seqlen_kv=1 << 14)
     assert "bias of" in packed_dense.refusal(big, lambda p: None)
+    from conftest import axis_bias_mods
+
+    _, key_bias = axis_bias_mods(torch.randn(9))  # score + w[kv_idx]: a table sized by the packed lengths
+    spec, mod = resolve_spec(qkv_format="thd", attn_mask_type="no_mask", score_mod=key_bias)
+    why = packed_dense.refusal(_static_problem(spec, mod, q, k, v, varlen, None, False), lambda p: None)
+    assert why is not None and "indexed by positions" in why and "'w'" in why
 
 
 def test_padded_score_mod_without_causal_mask_is_refused():

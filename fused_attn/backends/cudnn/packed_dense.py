@@ -82,6 +82,12 @@ def refusal(problem: Any, dense_refusal: Any) -> Optional[str]:
         return f"{head}, which needs a traced score_mod (a raw cuDNN callback cannot take the bounds as a bias)"
     if spec.has_sinks or spec.dropout_p:
         return f"{head}, which does not take attention sinks or dropout"
+    from . import _tensor_axes
+
+    positional = sorted(name for name, axes in _tensor_axes(spec.score_mod).items() if axes & {"q_idx", "kv_idx"})
+    if positional:
+        return (f"{head}, but the score_mod's tensor parameters {positional} are indexed by positions and sized for "
+                "the packed lengths, not the padded batch's")
     numel = problem.batch * problem.seqlen_q * problem.seqlen_kv
     if numel > MAX_BIAS_ELEMENTS:
         return (f"{head} with a (B, 1, Sq, Skv) bias of {numel} elements (B={problem.batch}, Sq={problem.seqlen_q}, "
