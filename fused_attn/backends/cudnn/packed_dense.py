@@ -56,13 +56,14 @@ def _composed(mod: Any, bias: torch.Tensor) -> Any:
 
 
 def dense_problem(problem: Any) -> Any:
-    """The dense (bshd) StaticProblem the packed `problem` runs as (its bias a zero template)."""
+    """The dense (bshd) StaticProblem the packed `problem` runs as (its bias a meta template)."""
     from ...plan import _mod_sig
     from ...spec import resolve_spec
 
     p, spec = problem, problem.spec
     b, h, hkv, sq, skv, d, dv = p.batch, p.heads, p.kv_heads, p.seqlen_q, p.seqlen_kv, p.head_dim, p.head_dim_v
-    template = _composed(spec.score_mod, torch.zeros((b, 1, sq, skv), dtype=p.dtype, device=p.device))
+    # the bias's shape, strides and dtype decide the graph; its values come per call (no memory here)
+    template = _composed(spec.score_mod, torch.empty((b, 1, sq, skv), dtype=p.dtype, device="meta"))
     dense_spec, mod = resolve_spec(qkv_format="bshd", attn_mask_type="no_mask", softmax_scale=p.scale,
                                    score_mod=template, return_lse=True, backend="cudnn",
                                    deterministic=spec.deterministic)
@@ -124,6 +125,7 @@ class PackedAsDenseRunner:
     # ------------------------------------------------------------------ per batch
 
     def _batch(self, q: torch.Tensor, k: torch.Tensor, varlen: Varlen) -> _Batch:
+        # the packed preparation checks the cu_seqlens values (one device assertion, memoized per batch)
         VL.prepare(self.layout, varlen, (q.shape[0], k.shape[0]), (varlen.max_seqlen_q, varlen.max_seqlen_kv))
         sources = (varlen.cu_seqlens_q, varlen.cu_seqlens_kv, varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded)
         key = tuple((None, 0) if t is None else (id(t), t._version) for t in sources) + (
@@ -239,9 +241,5 @@ class PackedAsDenseRunner:
 def _rows(padded: Optional[torch.Tensor], cu: torch.Tensor, lens: torch.Tensor, tokens: int, s: int,
           batch: int) -> tuple:
     """(rows (T,) int64 into the padded (B*s + 1) buffer, real (T,) bool) of a packed side."""
-    starts = cu if padded is None else padded.long()
-    t = torch.arange(tokens, device=cu.device)
-    b = torch.searchsorted(starts[1:], t, right=True).clamp_(max=batch - 1)
-    i = t - starts[b]
-    real = (i >= 0) & (i < lens[b])
+    b, i, real = VL.token_positions(cu if padded is None else padded, lens, tokens, batch)
     return torch.where(real, b * s + i, batch * s), real

@@ -257,14 +257,19 @@ def gather_lse(stats: torch.Tensor, thd: ThdBatch, total_tokens: int) -> torch.T
     return lse.t().contiguous()
 
 
-def _token_index(thd: ThdBatch, total_tokens: int, buckets: int, rows: int):
-    """(b, i, valid) of each packed query token: its sequence, its position in it, and
-    whether it is a real token (not a gap)."""
-    tok = thd.tok_q.to(torch.int64)
+def token_positions(starts: torch.Tensor, lengths: torch.Tensor, total_tokens: int, batch: int):
+    """(b, i, valid) (T,) of each packed token: its sequence (of `batch`, from the (N+1,) token
+    offsets `starts`), its position in it, and whether it is a real token (not a gap). No sync."""
+    tok = starts.to(torch.int64)
     t = torch.arange(total_tokens, device=tok.device)
-    b = torch.searchsorted(tok[1:], t, right=True).clamp_(max=buckets - 1)
+    b = torch.searchsorted(tok[1:], t, right=True).clamp_(max=batch - 1)
     i = t - tok[b]
-    valid = (i >= 0) & (i < thd.seq_q.view(-1).to(torch.int64)[b])
+    return b, i, (i >= 0) & (i < lengths.to(torch.int64)[b])
+
+
+def _token_index(thd: ThdBatch, total_tokens: int, buckets: int, rows: int):
+    """`token_positions` of the queries, positions clamped into the Stats rows."""
+    b, i, valid = token_positions(thd.tok_q, thd.seq_q.view(-1), total_tokens, buckets)
     return b, i.clamp(0, rows - 1), valid
 
 
