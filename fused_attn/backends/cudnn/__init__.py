@@ -50,8 +50,6 @@ def refusal(problem: Any) -> Optional[str]:
 
 
 def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
-    from .lowering import bias_mode, split
-
     why = getattr(mod, "cudnn_unsupported", None)
     if why:
         return why
@@ -67,9 +65,7 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
         if native is None:
             return ("a bottom-right mask together with a score_mod on padded batches: cuDNN refuses its own band "
                     "next to a score_mod and computes per-sequence offsets wrongly (pass the batch packed, thd)")
-    trained = frozenset(t[0] for t in problem.mod_tensors if t[-1] and problem.needs_grad)
-    mode = bias_mode(mod, trained)
-    score_part, bias_part = split(mod) if mode is not None else (mod, None)
+    score_part, bias_part = _parts(problem, mod)
     if problem.has_lengths and score_part is not None and not _runs_as_band(score_part, problem):
         why = _key_tail_refusal(problem)
         if why is not None:
@@ -116,16 +112,22 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
     return None
 
 
+def _parts(problem: Any, mod: Any) -> Tuple[Any, Any]:
+    """(score part, bias part) of `mod` as the lowering splits it for this problem (bias part
+    None when the mod goes to the callback whole)."""
+    from .lowering import bias_mode, split
+
+    trained = frozenset(t[0] for t in problem.mod_tensors if t[-1] and problem.needs_grad)
+    return split(mod) if bias_mode(mod, trained) is not None else (mod, None)
+
+
 def runs_as_dense(problem: Any) -> bool:
     """A packed problem whose score_mod callback the ragged graphs cannot bound: it runs as a
     zero-padded dense batch (`packed_dense`)."""
     mod = problem.spec.score_mod
     if not problem.is_packed or mod is None:
         return False
-    from .lowering import bias_mode, split
-
-    trained = frozenset(t[0] for t in problem.mod_tensors if t[-1] and problem.needs_grad)
-    score_part = split(mod)[0] if bias_mode(mod, trained) is not None else mod
+    score_part = _parts(problem, mod)[0]
     return (score_part is not None and not _runs_as_band(score_part, problem)
             and _key_tail_refusal(problem) is not None)
 

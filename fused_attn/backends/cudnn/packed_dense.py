@@ -193,15 +193,22 @@ class PackedAsDenseRunner:
         buf.index_copy_(0, batch.q_rows, rows)
         return buf[: b * sq].view(b, sq, -1).transpose(1, 2).unsqueeze(-1).contiguous()
 
+    def _dense_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: _Batch) -> tuple:
+        _, sq, skv = self.shape
+        return (self._scatter(q, batch.q_rows, sq), self._scatter(k, batch.kv_rows, skv),
+                self._scatter(v, batch.kv_rows, skv))
+
+    def _dense_grad_out(self, grad_out: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """dO padded, with rows that attend no key zeroed (their key-0 stand-in gets no gradient)."""
+        return self._scatter(grad_out.masked_fill(batch.q_empty.view(-1, 1, 1), 0.0), batch.q_rows, self.shape[1])
+
     # ------------------------------------------------------------------ runner interface
 
     def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
         batch = self._batch(q, k, varlen)
-        _, sq, skv = self.shape
-        dense = (self._scatter(q, batch.q_rows, sq), self._scatter(k, batch.kv_rows, skv),
-                 self._scatter(v, batch.kv_rows, skv))
         composed = _composed(mod, batch.bias)
-        out_d, lse_d, saved_d, state_d = self.runner.forward(*dense, NO_VARLEN, composed, None)
+        out_d, lse_d, saved_d, state_d = self.runner.forward(*self._dense_inputs(q, k, v, batch), NO_VARLEN,
+                                                             composed, None)
         stats = lse_d.unsqueeze(-1)  # (B, H, Sq, 1): the dense graph's Stats
         out = self._gather(out_d, batch.q_rows, batch.q_real & ~batch.q_empty)
         lse = self._lse(stats, batch) if self.static.spec.return_lse else None
@@ -209,9 +216,7 @@ class PackedAsDenseRunner:
 
     def backward(self, state, saved, grad_out):
         batch, saved_d, state_d = state
-        d_o = grad_out.masked_fill(batch.q_empty.view(-1, 1, 1), 0.0)  # rows with no key: no gradient
-        grads = self.runner.backward(state_d, saved_d, self._scatter(d_o, batch.q_rows, self.shape[1]))
-        return self._packed_grads(grads, batch)
+        return self._packed_grads(self.runner.backward(state_d, saved_d, self._dense_grad_out(grad_out, batch)), batch)
 
     def _packed_grads(self, grads: tuple, batch: _Batch) -> tuple:
         real_kv = batch.kv_rows < self.shape[0] * self.shape[2]
@@ -229,12 +234,9 @@ class PackedAsDenseRunner:
         return self._backward_from(q, k, v, out, self._stats(lse, batch), batch, mod, grad_out)
 
     def _backward_from(self, q, k, v, out, stats, batch, mod, grad_out):
-        _, sq, skv = self.shape
-        dense = (self._scatter(q, batch.q_rows, sq), self._scatter(k, batch.kv_rows, skv),
-                 self._scatter(v, batch.kv_rows, skv))
-        d_o = grad_out.masked_fill(batch.q_empty.view(-1, 1, 1), 0.0)
-        grads = self.runner.backward_call(*dense, self._scatter(out, batch.q_rows, sq), stats, NO_VARLEN,
-                                          _composed(mod, batch.bias), None, self._scatter(d_o, batch.q_rows, sq))
+        grads = self.runner.backward_call(*self._dense_inputs(q, k, v, batch),
+                                          self._scatter(out, batch.q_rows, self.shape[1]), stats, NO_VARLEN,
+                                          _composed(mod, batch.bias), None, self._dense_grad_out(grad_out, batch))
         return self._packed_grads(grads, batch)
 
 
