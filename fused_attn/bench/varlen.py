@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -38,21 +38,26 @@ def _packed(total: int, h: int, d: int, device, seed: int):
     return [t.requires_grad_() for t in ts[:3]] + [ts[3]]
 
 
-def reference_packed(q, k, v, do, lengths: Sequence[int], causal: bool, dtype) -> Dict[str, torch.Tensor]:
+def reference_packed(q, k, v, do, lengths: Sequence[int], causal: bool, dtype, *,
+                     lengths_kv: Optional[Sequence[int]] = None,
+                     score_fn: Optional[Callable[..., torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """Naive attention per sequence on packed (T, H, D) tensors (T = sum(lengths)): out, dq, dk, dv
-    (T, H, D) in `dtype`, one sequence at a time (so memory follows the longest sequence)."""
+    (T, H, D) in `dtype`, one sequence at a time (so memory follows the longest sequence).
+    lengths_kv: the key lengths where they differ from the query lengths (causal is then
+    bottom-right per sequence: query i attends keys j <= i + kv_len - q_len); score_fn: a
+    score_mod in `naive_attention`'s form."""
     parts: Dict[str, List[torch.Tensor]] = {key: [] for key in ("out", "dq", "dk", "dv")}
-    start = 0
+    sq = sk = 0
     scale = 1 / math.sqrt(q.shape[-1])
-    for n in lengths:
-        if n == 0:
-            continue
-        sl = [t.detach()[start:start + n].transpose(0, 1).unsqueeze(0) for t in (q, k, v, do)]
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if causal else None
-        res = naive_attention(*sl[:3], scale=scale, dtype=dtype, mask=mask, grad_out=sl[3])
-        for key, t in res.items():
-            parts[key].append(t[0].transpose(0, 1))
-        start += n
+    for nq, nk in zip(lengths, lengths if lengths_kv is None else lengths_kv):
+        if nq:
+            sl = [t.detach()[a:a + n].transpose(0, 1).unsqueeze(0) for t, a, n in
+                  ((q, sq, nq), (k, sk, nk), (v, sk, nk), (do, sq, nq))]
+            mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq) if causal else None
+            res = naive_attention(*sl[:3], scale=scale, dtype=dtype, mask=mask, score_fn=score_fn, grad_out=sl[3])
+            for key, t in res.items():
+                parts[key].append(t[0].transpose(0, 1))
+        sq, sk = sq + nq, sk + nk
     return {key: torch.cat(ts) for key, ts in parts.items()}
 
 
@@ -183,25 +188,6 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
                       rep_ms=40.0 if quick else 80.0)
 
 
-def reference_chunked(q, k, v, do, lens_q: Sequence[int], lens_k: Sequence[int], cap: float,
-                      dtype) -> Dict[str, torch.Tensor]:
-    """Naive softcapped attention with a bottom-right causal mask per sequence (query i of q_len
-    attends keys j <= i + k_len - q_len), packed (T, H, D) in and out, one sequence at a time."""
-    parts: Dict[str, List[torch.Tensor]] = {key: [] for key in ("out", "dq", "dk", "dv")}
-    sq = sk = 0
-    scale = 1 / math.sqrt(q.shape[-1])
-    score_fn = lambda s, b, h, i, j: cap * torch.tanh(s / cap)
-    for nq, nk in zip(lens_q, lens_k):
-        sl = [t.detach()[a:a + n].transpose(0, 1).unsqueeze(0) for t, a, n in
-              ((q, sq, nq), (k, sk, nk), (v, sk, nk), (do, sq, nq))]
-        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
-        res = naive_attention(*sl[:3], scale=scale, dtype=dtype, mask=mask, score_fn=score_fn, grad_out=sl[3])
-        for key, t in res.items():
-            parts[key].append(t[0].transpose(0, 1))
-        sq, sk = sq + nq, sk + nk
-    return {key: torch.cat(ts) for key, ts in parts.items()}
-
-
 def run_chunked_prefill(device, quick: bool, *, n: int = N, chunk: int = 512, max_cached: int = 3072, h: int = H,
                         d: int = 128, cap: float = 30.0, seed: int = 21) -> SuiteResult:
     """Chunked prefill with a logit softcap (Gemma 2 style): each sequence's `chunk` new queries
@@ -216,8 +202,9 @@ def run_chunked_prefill(device, quick: bool, *, n: int = N, chunk: int = 512, ma
     q, _, _, do = _packed(sum(lens_q), h, d, device, seed)
     _, k, v, _ = _packed(sum(lens_k), h, d, device, seed + 1)
     cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
-    expected, bounds = reference_and_bounds(lambda dt: reference_chunked(q, k, v, do, lens_q, lens_k, cap, dt),
-                                            q.dtype)
+    softcap = lambda s, b, hh, i, j: cap * torch.tanh(s / cap)
+    expected, bounds = reference_and_bounds(lambda dt: reference_packed(
+        q, k, v, do, lens_q, True, dt, lengths_kv=lens_k, score_fn=softcap), q.dtype)
     mod = sm.softcap(cap)
     impls = [_autograd_impl("fused_attn", lambda a, b, c: fused_attn.varlen_attn(
         a, b, c, cu_q, cu_k, chunk, max(lens_k), window_size=(-1, 0), score_mod=mod), (q, k, v), do, True)]
