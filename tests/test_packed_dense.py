@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import score_mods as sm
+from conftest import cu_seqlens
 from fused_attn.backends import reference
 from fused_attn.backends.cudnn.packed_dense import PackedAsDenseRunner
 from fused_attn.plan import Varlen, _static_problem
@@ -25,19 +26,12 @@ CASES = [
 ]
 
 
-def _offsets(lens, gap=0):
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n + gap)
-    return torch.tensor(out, dtype=torch.int32)
-
-
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_padded_dense_batch_equals_the_packed_reference(case, gen):
     h, hkv, d, gap = 4, 2, 16, case.get("gap", 0)
     lq, lk = case["lens_q"], case["lens_kv"]
-    pq, pk = _offsets(lq, gap), _offsets(lk, gap)
-    varlen = Varlen(_offsets(lq), _offsets(lk), pq if gap else None, pk if gap else None, max(lq), max(lk))
+    pq, pk = cu_seqlens(lq, gap), cu_seqlens(lk, gap)
+    varlen = Varlen(cu_seqlens(lq), cu_seqlens(lk), pq if gap else None, pk if gap else None, max(lq), max(lk))
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
     q, k, v = rand(int(pq[-1]), h, d), rand(int(pk[-1]), hkv, d), rand(int(pk[-1]), hkv, d)
     mod = sm.alibi(sm.alibi_slopes(h).double()) if case.get("alibi") else sm.softcap(5.0)

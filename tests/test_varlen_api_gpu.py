@@ -88,9 +88,8 @@ def test_bottom_right_causal_with_a_score_mod_runs_on_cudnn(gqa):
     import math
 
     import score_mods as sm
-    from conftest import band_mask
+    from conftest import check_packed_sequence, packed_sequence, sequence_mask
     from fused_attn import AuxRequest, explain, varlen_attn
-    from fused_attn.testing import assert_close, bound_from, grad_tolerances, reference_attention, tolerance
 
     lens_q, lens_k = [64, 1, 300, 0, 130, 7], [1000, 1, 300, 5, 64, 70]
     (h, hkv), cap = (8, 2) if gqa else (8, 8), 30.0
@@ -104,22 +103,14 @@ def test_bottom_right_causal_with_a_score_mod_runs_on_cudnn(gqa):
     do = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), do)
     fn = lambda s, b, hh, i, j: cap * torch.tanh(s / cap)
-    scale = 1 / math.sqrt(64)
-    sl = lambda t, a, n: t[a:a + n].detach().transpose(0, 1)[None]
+    seq = packed_sequence
     for b, (a, c, lq, lk) in enumerate(zip(cu_q.tolist(), cu_k.tolist(), lens_q, lens_k)):
         if lq == 0:
             continue
-        x = (sl(q, a, lq), sl(k, c, lk), sl(v, c, lk))
-        mask = band_mask(lq, lk, -1, 0, bottom_right=True)
-        exact, exact_lse = reference_attention(*x, scale, mask, fn)
-        assert_close(sl(out, a, lq), exact, tolerance(*x, scale, torch.bfloat16, mask, fn), f"sequence {b} out")
-        _, naive_lse = reference_attention(*x, scale, mask, fn, dtype=torch.bfloat16, softmax_dtype=torch.float32)
-        rows = torch.isfinite(exact_lse)
-        assert_close(lse[:, a:a + lq][None], exact_lse, bound_from(naive_lse[rows], exact_lse[rows], torch.bfloat16),
-                     f"sequence {b} lse")
-        want, bounds = grad_tolerances(*x, sl(do, a, lq), scale, torch.bfloat16, mask, fn)
-        for name, g, off, n, w, bound in zip("qkv", grads, (a, c, c), (lq, lk, lk), want, bounds):
-            assert_close(sl(g, off, n), w, bound, f"sequence {b} d{name}")
+        got = [seq(grads[0], a, lq), seq(grads[1], c, lk), seq(grads[2], c, lk)]
+        check_packed_sequence(seq(out, a, lq), lse[:, a:a + lq][None], got, seq(q, a, lq), seq(k, c, lk),
+                              seq(v, c, lk), seq(do, a, lq), 1 / math.sqrt(64),
+                              sequence_mask(lq, lk, "causal_bottom_right"), f"sequence {b} ", fn)
 
 
 def test_doc_packed_matches_per_document_sdpa():

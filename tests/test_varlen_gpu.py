@@ -1,50 +1,25 @@
 """Packed (thd) batches on cuDNN, each sequence against the float64 reference with the project's
 tolerance rule (`fused_attn.testing`); graph-build counts."""
 
-import functools
 import math
 
 import pytest
 import torch
 
-from conftest import band_mask
-from fused_attn.testing import assert_close, bound_from, grad_tolerances, reference_attention, tolerance
+from conftest import check_packed_sequence as check
+from conftest import cu_seqlens
+from conftest import packed_sequence as seq
+from conftest import sequence_mask
+from fused_attn.testing import assert_close
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-CAUSAL_TYPES = ("causal", "causal_bottom_right", "padding_causal")
-
 
 def cu(lens, gap=0):
-    out, pos = [0], 0
-    for n in lens:
-        pos += n + gap
-        out.append(pos)
-    return torch.tensor(out, dtype=torch.int32, device="cuda")
-
-
-@functools.lru_cache(maxsize=None)
-def sequence_mask(lq, lkv, attn_mask_type="no_mask", window_size=None):
-    """Bool (Lq, Lkv) mask (True = attend) of one packed sequence, or None for every key.
-
-    As documented by `dot_product_attention`: -left <= j - (i + shift) <= right, with right = 0
-    for the causal types and shift = Lkv - Lq (this sequence's lengths) for causal_bottom_right;
-    with thd the padding types equal their twins.
-    """
-    left, right = window_size or (-1, -1)
-    if attn_mask_type in CAUSAL_TYPES:
-        right = 0
-    if left == right == -1:
-        return None
-    return band_mask(lq, lkv, left, right, attn_mask_type == "causal_bottom_right")
-
-
-def seq(t, start, n):
-    """Tokens start..start+n of a packed (T, H, D) tensor as a logical (1, H, n, D) view."""
-    return t[start:start + n].transpose(0, 1)[None]
+    return cu_seqlens(lens, gap).cuda()
 
 
 def outside(offsets, lens, total):
@@ -53,22 +28,6 @@ def outside(offsets, lens, total):
     for start, n in zip(offsets, lens):
         rest[start:start + n] = False
     return rest
-
-
-def check(out, lse, grads, q, k, v, do, scale, mask=None, label="", score_fn=None):
-    """Logical (B, H, S, D) out, lse (B, H, Sq) and grads of (q, k, v) for cotangent `do` against
-    float64 with the tolerance rule; lse rows without an allowed key must be -inf in both, the
-    bound comes from the naive same-dtype lse of the rows that have one."""
-    q, k, v, do = (t.detach() for t in (q, k, v, do))
-    dtype = q.dtype
-    exact, exact_lse = reference_attention(q, k, v, scale, mask, score_fn)
-    assert_close(out, exact, tolerance(q, k, v, scale, dtype, mask, score_fn), label + "out")
-    _, naive_lse = reference_attention(q, k, v, scale, mask, score_fn, dtype=dtype, softmax_dtype=torch.float32)
-    rows = torch.isfinite(exact_lse)
-    assert_close(lse, exact_lse, bound_from(naive_lse[rows], exact_lse[rows], dtype), label + "lse")
-    want, bounds = grad_tolerances(q, k, v, do, scale, dtype, mask, score_fn)
-    for name, got, w, bound in zip(("dq", "dk", "dv"), grads, want, bounds):
-        assert_close(got, w, bound, label + name)
 
 
 def run(q, k, v, grad, **kw):
