@@ -5,7 +5,8 @@
 A banded score_mod call (softcap(50) with a causal mask or a 1024-token window, bf16, D64, GQA
 16/4) run each way `band_chunks.strategy` can choose, forced one after another: the plain call
 (None), query rectangles with the plain backward ("forward"), rectangles both ways ("both"),
-then the model's own choice. For each, forward only and training (forward + backward):
+query rectangles with the packed-window backward ("ragged", windows only), then the model's own
+choice. For each, forward only and training (forward + backward):
 
 * wall_ms: back-to-back calls, one synchronize after (what a loop of these calls sees);
 * gpu_ms: the same calls enqueued behind a long sleep kernel, CUDA events around them (the
@@ -24,7 +25,8 @@ import time
 
 import torch
 
-SHAPES = (("B1 H1 S1024", (1, 1024, 1, 1)), ("B2 H16/4 S4096", (2, 4096, 16, 4)), ("B1 H16/4 S8192", (1, 8192, 16, 4)))
+SHAPES = (("B1 H1 S1024", (1, 1024, 1, 1)), ("B4 H16/4 S2048", (4, 2048, 16, 4)), ("B2 H16/4 S4096", (2, 4096, 16, 4)),
+          ("B1 H16/4 S8192", (1, 8192, 16, 4)))
 BANDS = (("causal", dict(attn_mask_type="causal")), ("window 1024", dict(window_size=(1023, 0))))
 HEAD_DIM = 64
 
@@ -71,6 +73,7 @@ def _gpu_and_enqueue_ms(fn, n=8):
 
 def main() -> None:
     from fused_attn import band_chunks
+    from fused_attn.band_ragged import area_fraction, geometry
     from fused_attn.bench.common import environment, host_us_per_call, print_table, write_results
     from fused_attn.spec import resolve_spec
 
@@ -86,9 +89,12 @@ def main() -> None:
             for band_label, mask_kw in BANDS:
                 band = resolve_spec(score_mod=None, **mask_kw)[0].band
                 pieces = band_chunks.plan_pieces(band, s, s)
+                window = None if band.left is None else geometry(b, s, band.left)
                 for train in (False, True):
-                    chosen = model(pieces, b * h * s * s, HEAD_DIM, train, b * h * s * HEAD_DIM)
+                    ragged = area_fraction(window) if train and window is not None else None
+                    chosen = model(pieces, b * h * s * s, HEAD_DIM, train, b * h * s * HEAD_DIM, ragged)
                     ways = (None, "forward", "both") if train else (None, "forward")
+                    ways += ("ragged",) if ragged is not None else ()
                     for way in ways + ("model",):
                         band_chunks.strategy = model if way == "model" else (lambda *a, _w=way: _w)
                         band_chunks.clear_memos()
@@ -107,7 +113,9 @@ def main() -> None:
         band_chunks.clear_memos()
     env = environment(torch.device("cuda"))
     notes = ["way: plain; forward = query rectangles + the plain backward from their stitched output and lse; "
-             "both = query rectangles forward, key rectangles backward; model's choice = band_chunks.strategy",
+             "both = query rectangles forward, key rectangles backward; ragged = query rectangles forward, the "
+             "packed-window backward (band_ragged: two packed graphs over the band); model's choice = "
+             "band_chunks.strategy",
              "wall_ms: back-to-back calls, one sync after; gpu_ms: the calls queued behind a sleep kernel, events "
              "around them (no host gaps); enqueue_ms: host time per call while the GPU is busy",
              "rectangles: forward + backward pieces of the band"]

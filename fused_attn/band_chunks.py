@@ -8,9 +8,10 @@ band is cut into rectangles, each a complete sub-attention with a band of its ow
 * forward: query chunks [q0, q1), each over the keys [k0, k1) its rows can reach;
 * backward: key chunks [k0, k1), each with the queries [q0, q1) that reach them, from the
   forward's output and log-sum-exp (cuDNN's backward reads exactly O and Stats, so a key
-  subset with the full rows' lse gives that subset's exact dK, dV and its share of dQ); or,
-  where its rectangles' fixed costs outweigh the tiles they skip, the plain call's backward
-  from that same stitched output and lse.
+  subset with the full rows' lse gives that subset's exact dK, dV and its share of dQ); for a
+  top-left window on bshd, the band in two packed calls (`band_ragged`); or, where rectangles'
+  fixed costs outweigh the tiles they skip, the plain call's backward from that same stitched
+  output and lse.
 
 In global positions query i sees key j iff lo <= j - i <= hi (lo = shift - left or unbounded,
 hi = shift + right, shift = Skv - Sq for a bottom-right band, else 0). A rectangle at (q0, k0)
@@ -43,7 +44,8 @@ from .spec import AttentionSpec
 
 __all__ = ["Piece", "Pieces", "eligible", "bounds", "plan_pieces", "route", "run_call", "run_in_pieces", "BandChunks",
            "strategy", "PLAIN_NS_PER_SCORE_DIM", "PIECE_NS_PER_QUERY_ELEMENT", "HOST_NS_CALL",
-           "HOST_NS_PER_PIECE", "clear_memos", "CAUSAL_CHUNKS", "WINDOW_CHUNK"]
+           "HOST_NS_PER_PIECE", "RAGGED_NS_PER_QUERY_ELEMENT", "HOST_NS_RAGGED", "clear_memos", "CAUSAL_CHUNKS",
+           "WINDOW_CHUNK"]
 
 TILE = 128
 #: The cost model (`strategy`), fitted to one H200 run of `benchmarks/band_strategies.py`
@@ -65,6 +67,15 @@ PLAIN_NS_PER_SCORE_DIM = (0.596e6 / (2 ** 29 * 64), 1.008e6 / (2 ** 29 * 64))  #
 PIECE_NS_PER_QUERY_ELEMENT = (16e3 / 2 ** 23, 60e3 / 2 ** 23)  # forward, backward rectangle
 HOST_NS_CALL = (70e3, 450e3)  # indexed by grad
 HOST_NS_PER_PIECE = (40e3, 60e3, 150e3)  # forward rectangle without / with gradients; backward
+#: The packed-window backward (`band_ragged`), from one H200 run of `benchmarks/band_strategies.py`
+#: (window 1024, softcap, D64, 2^23 query elements at B4 S2048, B2 S4096 and B1 S8192): its two
+#: graphs take the plain backward's time in proportion to their area plus ~350 us of fixed GPU
+#: work per 2^23 query elements (the key gathers and fp32 key-gradient sums, two dO . O passes,
+#: zeroed gradients; measured backward 0.68 / 0.78 / 0.82 ms against plain 0.63 / 1.15 / 2.17);
+#: host: 425 us per backward against the plain backward's 64 us (two packed backward calls of
+#: ~110 us each, the gathers and sums).
+RAGGED_NS_PER_QUERY_ELEMENT = 350e3 / 2 ** 23
+HOST_NS_RAGGED = 360e3
 CAUSAL_CHUNKS = 4  # chunks of an unbounded (causal) band
 WINDOW_CHUNK = 1024  # rows per chunk of a window band (at least the window, rounded to the tile)
 _SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2}
@@ -182,12 +193,14 @@ def _plan(band: Band, sq: int, skv: int) -> Optional[Pieces]:
     return Pieces(tuple(forward), tuple(backward), area / (sq * skv), back_area / (sq * skv))
 
 
-def strategy(pieces: Pieces, scores: int, head_dim: int, grad: bool, query_elements: int) -> Optional[str]:
+def strategy(pieces: Pieces, scores: int, head_dim: int, grad: bool, query_elements: int,
+             ragged: Optional[float] = None) -> Optional[str]:
     """How to run a call of `scores` (B * H * Sq * Skv) whose band cuts into `pieces`: None (the
     plain call), "forward" (query rectangles; with gradients, the plain backward from their
-    stitched output and lse) or "both" (query rectangles forward, key rectangles backward).
-    query_elements: B * H * Sq * D. Each is estimated as host + GPU time (see
-    PLAIN_NS_PER_SCORE_DIM); ties keep the plain call."""
+    stitched output and lse), "both" (query rectangles forward, key rectangles backward) or
+    "ragged" (query rectangles forward, the packed-window backward of `band_ragged`, offered when
+    `ragged` gives its area over Sq * Skv). query_elements: B * H * Sq * D. Each is estimated
+    as host + GPU time (see PLAIN_NS_PER_SCORE_DIM); ties keep the plain call."""
     work = scores * head_dim
     g_fwd, g_bwd = work * PLAIN_NS_PER_SCORE_DIM[0], (work * PLAIN_NS_PER_SCORE_DIM[1] if grad else 0.0)
     nf, nb = len(pieces.forward), len(pieces.backward)
@@ -197,6 +210,9 @@ def strategy(pieces: Pieces, scores: int, head_dim: int, grad: bool, query_eleme
     if grad:
         cut_bwd = pieces.backward_work * g_bwd + nb * query_elements * PIECE_NS_PER_QUERY_ELEMENT[1]
         options["both"] = host + nb * HOST_NS_PER_PIECE[2] + cut_fwd + cut_bwd
+        if ragged is not None:
+            options["ragged"] = (host + HOST_NS_RAGGED + cut_fwd + ragged * g_bwd
+                                 + query_elements * RAGGED_NS_PER_QUERY_ELEMENT)
     return min(options, key=options.__getitem__)
 
 
@@ -271,9 +287,9 @@ def clear_memos() -> None:
 
 
 class _Call(NamedTuple):
-    """A cut call: its query rectangles and their runners; with gradients, either key rectangles
-    and their runners or `backward_full`, the plain call's runner (its backward reads the
-    rectangles' stitched output and lse)."""
+    """A cut call: its query rectangles and their runners; with gradients, key rectangles and
+    their runners, `backward_ragged` (a `band_ragged.RaggedWindowBackward`) or `backward_full`,
+    the plain call's runner (its backward reads the rectangles' stitched output and lse)."""
 
     forward: Tuple[Piece, ...]
     forward_runners: tuple
@@ -282,6 +298,20 @@ class _Call(NamedTuple):
     backward: Tuple[Piece, ...] = ()
     backward_runners: tuple = ()
     backward_full: Any = None
+    backward_ragged: Any = None
+
+
+def _ragged_geometry(spec: AttentionSpec, query: Any, key: Any, sinks: Optional[torch.Tensor], grad: bool):
+    """The packed-window backward's geometry for this call, or None where it does not apply
+    (see `band_ragged`: bshd, Sq == Skv, a top-left window with right bound 0, no sinks; not
+    deterministic: the key gradients are summed with index_add)."""
+    band = spec.band
+    if (not grad or sinks is not None or spec.deterministic or spec.qkv_format != "bshd" or band.bottom_right
+            or band.left is None or band.right != 0 or query.shape[1] != key.shape[1]):
+        return None
+    from .band_ragged import geometry
+
+    return geometry(query.shape[0], query.shape[1], band.left)
 
 
 def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor],
@@ -295,7 +325,13 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
         return None
     pieces = plan_pieces(spec.band, sq, skv)
     scores = query.numel() // max(1, query.shape[-1]) * skv
-    how = None if pieces is None else strategy(pieces, scores, query.shape[-1], grad, query.numel())
+    ragged = None if pieces is None else _ragged_geometry(spec, query, key, sinks, grad)
+    if ragged is not None:
+        from .band_ragged import area_fraction
+
+        work = area_fraction(ragged)
+    how = None if pieces is None else strategy(pieces, scores, query.shape[-1], grad, query.numel(),
+                                               None if ragged is None else work)
     if how is None:
         return None
 
@@ -303,11 +339,20 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
     try:
         call = _Call(pieces.forward, _runners(spec, mod, query, key, value, sinks, pieces.forward, False, layouts),
                      seq, trains=grad)
+        if how == "ragged" and ragged is None:
+            how = "forward"  # (a forced strategy on a call the packed window does not serve)
+        if how == "ragged":
+            from .band_ragged import RaggedWindowBackward
+
+            try:
+                call = call._replace(backward_ragged=RaggedWindowBackward(spec, mod, query, key, value, ragged))
+            except Refusal:
+                how = "forward"  # cuDNN declines a packed graph: the plain backward (exact too)
         if grad and how == "both":
             call = call._replace(backward=pieces.backward,
                                  backward_runners=_runners(spec, mod, query, key, value, sinks, pieces.backward, True,
                                                            layouts))
-        elif grad:
+        elif grad and how != "ragged":
             call = call._replace(backward_full=get_plan(spec, mod, query, key, value, NO_VARLEN, sinks,
                                                         force_grad=True).runner)
     except Refusal:
@@ -392,6 +437,9 @@ class BandChunks(torch.autograd.Function):
         call, mod = ctx.call, ctx.mod
         check_mod_unchanged(mod, ctx.mod_values)
         query, key, value, out, lse = ctx.saved_tensors
+        if call.backward_ragged is not None:
+            grads = call.backward_ragged.backward(query, key, value, out, lse, mod, grad_output(grad_out, out))
+            return (None, None, None) + tuple(grads)
         if call.backward_full is not None:
             grads = call.backward_full.backward_with_lse(query, key, value, out, lse, NO_VARLEN, mod, ctx.sinks,
                                                          grad_out)

@@ -300,3 +300,122 @@ def test_training_calls_weigh_their_backward_rectangles_too(monkeypatch):
     call = next(c for c in C._ROUTES._data.values() if not isinstance(c, CallPlan) and c.trains)
     assert type(out.grad_fn).__name__.startswith("BandChunks") and call.backward_full is not None
     C.clear_memos()
+
+def _ragged_cover(g):
+    """How often the packed-window backward's two calls cover each (query, key) pair of one batch
+    row (as the band in their own positions allows): (S, S) int."""
+    cover = torch.zeros(g.seq, g.seq, dtype=torch.int64)
+    n = g.head_rows
+    cover[:n, :n] += _allowed(Band(g.left, 0, False), n, n).long()
+    for b, q0, q1 in g.body:
+        if b:
+            continue
+        local = _allowed(Band(0, g.left, False), q1 - q0, q1 - q0 + g.left)
+        cover[q0:q1, q0 - g.left:q1] += local.long()
+    return cover
+
+
+@pytest.mark.parametrize("seq, left", [(700, 200), (640, 150), (1000, 127), (4096, 1023), (3000, 1023), (513, 128),
+                                       (900, 1)])
+def test_packed_window_calls_hold_exactly_the_band(seq, left):
+    """Head rows plus body chunks (keys [q0 - L, q1), band 0 <= b - a <= L in their positions)
+    cover every allowed pair once and nothing else; every body chunk's band ends inside its keys."""
+    from fused_attn.band_ragged import geometry
+
+    g = geometry(2, seq, left)
+    assert g is not None and g.chunk % 128 == 0 and g.head_rows >= left
+    full = _allowed(Band(left, 0, False), seq, seq).long()
+    assert torch.equal(_ragged_cover(g), full)
+    assert all(q0 - left >= 0 and (q1 - q0 - 1) + left <= (q1 - q0 + left) - 1 for _, q0, q1 in g.body)
+    assert {b for b, _, _ in g.body} == {0, 1}
+
+
+def test_packed_window_needs_rows_past_its_head():
+    from fused_attn.band_ragged import geometry
+
+    assert geometry(1, 512, 600) is None and geometry(1, 512, 0) is None
+
+
+@pytest.mark.parametrize("mask, window, seq", [("causal", (200, 0), 700), ("no_mask", (150, 0), 640),
+                                               ("causal", (127, 0), 1000), ("causal", (300, 0), 300 + 257)])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_packed_window_backward_equals_the_unchunked_call(small_thresholds, monkeypatch, mask, window, seq,
+                                                          return_lse):
+    """The packed-window backward ("ragged": head rows and gathered body chunks, two packed calls)
+    equals the plain call in float64 on the reference, GQA 4/2."""
+    monkeypatch.setattr(C, "strategy", lambda *a: "ragged")
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, seq, 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, seq, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(2, seq, 4, 16, generator=g, dtype=torch.float64)
+    spec, mod = resolve_spec(backend="auto", qkv_format="bshd", score_mod=sm.softcap(5.0), attn_mask_type=mask,
+                             window_size=window, return_lse=return_lse)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        got = fn(*leaves)
+        out = got[0] if return_lse else got
+        return ([out, got[1]] if return_lse else [out]) + list(torch.autograd.grad(out, leaves, do))
+
+    plain = grads(lambda a, b, c: _run_plan(spec, mod, a, b, c, NO_VARLEN, None))
+    chunked = grads(lambda a, b, c: C.run_in_pieces(spec, mod, a, b, c, None))
+    _assert_same(plain, chunked, return_lse)
+    calls = [c for c in C._ROUTES._data.values() if not isinstance(c, CallPlan) and c.trains]
+    assert calls and all(c.backward_ragged is not None and c.backward_full is None for c in calls)
+
+
+@pytest.mark.parametrize("fmt, mask, window, sq, skv, deterministic", [
+    ("sbhd", "causal", (200, 0), 700, 700, False), ("bshd", "causal", None, 700, 700, False),
+    ("bshd", "no_mask", (150, 30), 640, 640, False), ("bshd", "causal_bottom_right", (150, 0), 600, 650, False),
+    ("bshd", "causal", (200, 0), 700, 700, True)])
+def test_the_packed_window_serves_only_top_left_windows_on_bshd(small_thresholds, monkeypatch, fmt, mask, window,
+                                                                sq, skv, deterministic):
+    """Other bands and layouts, and deterministic calls (its key gradients are summed with
+    index_add), keep the plain backward even when "ragged" is asked for."""
+    monkeypatch.setattr(C, "strategy", lambda *a: "ragged")
+    shape = {"bshd": lambda s: (1, s, 2, 16), "sbhd": lambda s: (s, 1, 2, 16)}[fmt]
+    q = torch.randn(*shape(sq), dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(*shape(skv), dtype=torch.float64, requires_grad=True) for _ in range(2))
+    spec, mod = resolve_spec(backend="auto", qkv_format=fmt, score_mod=sm.softcap(5.0), attn_mask_type=mask,
+                             window_size=window, deterministic=deterministic)
+    C.run_in_pieces(spec, mod, q, k, v, None)
+    calls = [c for c in C._ROUTES._data.values() if not isinstance(c, CallPlan) and c.trains]
+    assert calls and all(c.backward_ragged is None and c.backward_full is not None for c in calls)
+
+
+def test_the_cost_model_offers_the_packed_window_where_it_saves_backward_work():
+    """At B1 H16 S8192 D64 with a 1024 window the packed backward (0.18 of the square) beats the plain
+    backward and its host time; a packed backward over most of the square does not."""
+    pieces = C.plan_pieces(Band(1023, 0, False), 8192, 8192)
+    scores, elements = 16 * 8192 * 8192, 16 * 8192 * 64
+    assert C.strategy(pieces, scores, 64, True, elements, 0.18) == "ragged"
+    assert C.strategy(pieces, scores, 64, True, elements, 0.95) != "ragged"
+    assert C.strategy(pieces, scores, 64, False, elements, 0.18) != "ragged"
+
+
+@pytest.mark.parametrize("batch, seq, left", [(2, 700, 200), (3, 1000, 127), (1, 557, 300)])
+def test_packed_window_stats_equal_the_packed_lse_scatter(batch, seq, left):
+    """The precomputed Stats gather of the packed-window backward gives what the packed runner's
+    own lse scatter would (padded (B_bucket, H, S_bucket, 1), -inf off real rows), for the head
+    and the body call."""
+    from types import SimpleNamespace
+
+    from fused_attn import band_ragged as R
+    from fused_attn.backends.cudnn import varlen as VL
+
+    heads = 3
+    g = R.geometry(batch, seq, left)
+    head, body, _, first = R._varlens(g, torch.device("cpu"))
+    lse = torch.randn(batch, heads, seq)
+    packed = lse.permute(1, 0, 2).reshape(heads, batch * seq)
+    rows = torch.cat((lse.reshape(-1), torch.tensor([float("-inf")])))
+    for varlen, seqs, part, tokens in ((head, [(b, 0, g.head_rows) for b in range(batch)], packed, batch * seq),
+                                       (body, g.body, packed[:, first:], batch * seq - first)):
+        n = varlen.cu_seqlens_q.numel() - 1
+        shape = (VL.bucket_batch(n), heads, VL.bucket_seqlen(varlen.max_seqlen_q), 1)
+        index = R._stats_index(SimpleNamespace(stats_shape=shape), seqs, g, heads, torch.device("cpu"))
+        layout = VL.ThdLayout(n, shape[0], (heads * 16,), (16,), torch.device("cpu"))
+        kv_tokens = int(varlen.cu_seqlens_kv[-1]) if varlen.cu_seqlens_kv_padded is None else tokens
+        thd, _ = VL._prepare_ops(layout, varlen.cu_seqlens_q, varlen.cu_seqlens_kv, varlen.cu_seqlens_q_padded,
+                                 varlen.cu_seqlens_kv_padded, (tokens, kv_tokens), (shape[2], shape[2] + left))
+        assert torch.equal(R._stats(rows, index), VL.scatter_lse(part, thd, shape))

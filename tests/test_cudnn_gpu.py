@@ -337,3 +337,28 @@ def test_banded_score_mod_in_rectangles_matches_float64(mask, window, sq, skv, h
     score_fn = lambda s, *_: 20.0 * torch.tanh(s / 20.0)  # noqa: E731
     check(out_l, q_l, k_l, v_l, 1 / 8, allowed_mask(sq, skv, attn_mask_type=mask, window_size=window), score_fn,
           lse=lse, grads=[to_logical(g, "bshd") for g in grads], do=do_l)
+
+
+@pytest.mark.parametrize("mask, window, b, s", [("causal", (1023, 0), 2, 4096), ("no_mask", (511, 0), 2, 3000),
+                                                ("causal", (200, 0), 3, 1100), ("causal", (575, 0), 1, 2048)])
+def test_packed_window_backward_matches_float64(mask, window, b, s, monkeypatch):
+    """A windowed softcap call whose backward runs as two packed cuDNN graphs (head rows, and body
+    chunks over gathered keys; band_ragged, forced here): out, lse and dq / dk / dv against float64
+    with the tolerance rule, GQA 4/2, several batches."""
+    import score_mods as sm
+    from fused_attn import band_chunks
+    from fused_attn.plan import CallPlan
+
+    monkeypatch.setattr(band_chunks, "strategy", lambda *a: "ragged")
+    band_chunks.clear_memos()
+    q, k, v = (make("bshd", b, h, s, 64, torch.bfloat16) for h in (4, 2, 2))
+    grad = torch.randn_like(q)
+    kw = dict(qkv_format="bshd", attn_mask_type=mask, window_size=window, score_mod=sm.softcap(20.0))
+    out, lse, grads = run(q, k, v, grad, **kw)
+    calls = [c for c in band_chunks._ROUTES._data.values() if not isinstance(c, CallPlan) and c.trains]
+    assert calls and all(c.backward_ragged is not None for c in calls)
+    out_l, q_l, k_l, v_l, do_l = (to_logical(t, "bshd") for t in (out, q, k, v, grad))
+    score_fn = lambda x, *_: 20.0 * torch.tanh(x / 20.0)  # noqa: E731
+    check(out_l, q_l, k_l, v_l, 1 / 8, allowed_mask(s, s, attn_mask_type=mask, window_size=window), score_fn,
+          lse=lse, grads=[to_logical(g, "bshd") for g in grads], do=do_l)
+    band_chunks.clear_memos()

@@ -3,6 +3,8 @@
     refusal(problem) -> Optional[str]     why cuDNN cannot serve a plan (metadata only), or None
     make_runner(problem) -> runner        DenseRunner / ThdRunner; builds the plan's graphs now
                                           (a graph the frontend declines raises plan.Refusal)
+    keys_bounded=True (both)              an internal packed call whose band ends every query
+                                          inside its sequence's keys (see _key_tail_refusal)
     saved_shape(problem) -> tuple         shape of the fp32 Stats the runner saves (fake tensors)
 
 The frontend (`cudnn`) is imported only when a graph is built or run.
@@ -23,8 +25,11 @@ _DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 
 
-def refusal(problem: Any) -> Optional[str]:
-    """None if cuDNN can serve `problem` (a StaticProblem), else the reason."""
+def refusal(problem: Any, keys_bounded: bool = False) -> Optional[str]:
+    """None if cuDNN can serve `problem` (a StaticProblem), else the reason. keys_bounded: the
+    caller guarantees that the call's top-left band ends every query row inside its sequence's
+    keys (kv_len >= q_len + right for each sequence), which no key-length mask then needs to
+    enforce (internal packed calls whose geometry the library builds, `band_ragged`)."""
     spec = problem.spec
     if problem.device.type != "cuda":
         return f"the cuDNN backend needs CUDA tensors, got tensors on {problem.device}"
@@ -43,13 +48,13 @@ def refusal(problem: Any) -> Optional[str]:
                 f"Skv={problem.seqlen_kv}")
     mod = spec.score_mod
     if mod is not None:
-        why = _mod_refusal(problem, mod)
+        why = _mod_refusal(problem, mod, keys_bounded)
         if why is not None:
             return why
     return version.unavailable_reason()
 
 
-def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
+def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False) -> Optional[str]:
     why = getattr(mod, "cudnn_unsupported", None)
     if why:
         return why
@@ -66,7 +71,8 @@ def _mod_refusal(problem: Any, mod: Any) -> Optional[str]:
             return ("a bottom-right mask together with a score_mod on padded batches: cuDNN refuses its own band "
                     "next to a score_mod and computes per-sequence offsets wrongly (pass the batch packed, thd)")
     score_part, bias_part = _parts(problem, mod)
-    if problem.has_lengths and score_part is not None and not _runs_as_band(score_part, problem):
+    if (problem.has_lengths and score_part is not None and not _runs_as_band(score_part, problem)
+            and not keys_bounded):
         why = _key_tail_refusal(problem)
         if why is not None:
             if not problem.is_packed:
@@ -172,10 +178,16 @@ def _tensor_axes(mod: Any) -> dict:
     return out
 
 
-def make_runner(problem: Any, into: Any = None) -> Any:
+def make_runner(problem: Any, into: Any = None, keys_bounded: bool = False) -> Any:
     """The runner serving `problem` on cuDNN (graphs built now). into: the layouts of
-    caller-owned outputs (`dense.Into`; dense problems only: the rectangles of a band)."""
+    caller-owned outputs (`dense.Into`; dense problems only: the rectangles of a band);
+    keys_bounded: a packed problem whose band keeps every query inside its keys (see `refusal`)
+    runs on its ragged graph as is."""
     backend_version = version.check()
+    if keys_bounded and problem.is_packed:
+        from .thd import ThdRunner
+
+        return ThdRunner(problem, backend_version)
     if into is not None:
         from .dense import DenseRunner
 
