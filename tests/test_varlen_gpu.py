@@ -68,6 +68,7 @@ def softcap_fn(cap):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_thd_vs_reference(case, dtype):
+    torch.manual_seed(11)  # the same inputs whatever ran before in this worker
     case = dict(case)
     lens_q, lens_kv = case.pop("lens_q"), case.pop("lens_kv")
     h, hkv, d, dv, gap = case.pop("h", 4), case.pop("hkv", 4), 64, case.pop("dv", 64), case.pop("gap", 0)
