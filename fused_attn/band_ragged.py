@@ -13,9 +13,10 @@ call a backward over the band only, in two ragged cuDNN graphs instead of one re
 * head: the first W0 = ceil(L / C) * C rows of each batch with their keys [0, W0) under the
   call's own band (query and key lengths equal: the band ends on the diagonal).
 
-Each graph's backward reads the call's output and log-sum-exp rows (exact for a subset of keys,
-see `band_chunks`); dQ rows are disjoint between the two, the body's dK / dV shares are added
-into the head's by index. Exact only for score_mods that read no position or length and index no
+Every key a query row attends lies in its own call, so each graph's backward from the call's
+output and log-sum-exp rows (gathered into its padded Stats by a precomputed index) is exact; dQ
+rows are disjoint between the two, the body's dK / dV shares are added into the head's by index
+in fp32. Exact only for score_mods that read no position or length and index no
 tensor by position (`band_chunks.eligible`), bshd calls with Sq == Skv and a top-left window
 (right bound 0), no sinks or trained tables. Memory: one gathered copy of K and V and their
 gradients (about (C + L) / C times K's size).
