@@ -39,12 +39,16 @@ class ModCase:
 
     def __init__(self, name: str, fused_kwargs: Callable[[], Dict], score_fn: Optional[Callable] = None,
                  causal: bool = False, flex_score: Optional[Callable] = None, flex_causal: bool = False,
-                 mask_fn: Optional[Callable] = None, flex_mask: Optional[Callable] = None, note: str = ""):
+                 mask_fn: Optional[Callable] = None, flex_mask: Optional[Callable] = None, note: str = "",
+                 trained: Optional[Dict[str, torch.Tensor]] = None, trained_score: Optional[Callable] = None):
         self.name, self.fused_kwargs, self.score_fn, self.causal = name, fused_kwargs, score_fn, causal
         self.flex_score, self.flex_causal = flex_score, flex_causal
         self.mask_fn = mask_fn  # (b, h, q_idx, kv_idx) -> bool: the reference's mask
         self.flex_mask = flex_mask or mask_fn  # flex's mask_mod (its block mask), as a flex user writes it
         self.note = note
+        # trained: name -> leaf (1, H, S, S) whose gradient is timed and checked too ("d<name>");
+        # trained_score(params): the reference's score_fn reading the reference's copies of them
+        self.trained, self.trained_score = trained or {}, trained_score
 
 
 def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
@@ -57,6 +61,7 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
     window = max(1, s // 4)  # Gemma 2's local layers see a window of half its context (4096 of 8192)
     gen = torch.Generator(device=device).manual_seed(1234)
     bias = torch.randn(1, h, s, s, device=device, dtype=torch.float32, generator=gen)
+    trained = {dt: bias.to(dt).requires_grad_() for dt in (torch.float32, torch.bfloat16)}
     slopes = alibi_slope_values(h, device)
     capped = lambda sc, b_, h_, q, k: cap * torch.tanh(sc / cap)
     biased = lambda sc, b_, h_, q, k: sc + bias[0, h_, q, k]
@@ -94,9 +99,23 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
         ModCase("causal", lambda: {"fused_attn_scoremod": {"score_mod": causal()},
                                    "fused_attn_native": {"attn_mask_type": "causal"}}, causal=True, flex_causal=True),
         ModCase("post_scale_bias", lambda: {"fused_attn": {"score_mod": post_scale_bias(bias)}}, biased,
-                flex_score=biased),
+                flex_score=biased, note="a fixed fp32 bias (no gradient)"),
+    ] + [
+        ModCase(f"post_scale_bias {str(dt).replace('torch.', '')} trained",
+                lambda t=t: {"fused_attn": {"score_mod": post_scale_bias(t)}},
+                flex_score=_bias_score(t), trained={"bias": t},
+                trained_score=lambda p: (lambda sc, b_, h_, q, k: sc + p["bias"][0, h_, q, k]),
+                note="the bias (1, H, S, S) requires grad: fwd+bwd times and checks its gradient too (summed over "
+                     "the batch), on every batch row and the first heads with B * heads * S^2 <= 2^28")
+        for dt, t in trained.items()
+    ] + [
         ModCase("alibi", lambda: {"fused_attn": {"score_mod": alibi(slopes)}}, alibied, flex_score=alibied),
     ] + natten_cases
+
+
+def _bias_score(bias: torch.Tensor) -> Callable:
+    """A flex score_mod adding bias[0, h, q, k] (a closure: flex tells score_mods by their arity)."""
+    return lambda sc, b_, h_, q, k: sc + bias[0, h_, q, k]
 
 
 def _dense_mask(mask_fn: Callable, s: int, device: torch.device) -> torch.Tensor:
@@ -130,26 +149,49 @@ def _flex_fn(case: ModCase, device: torch.device, b: int, s: int) -> Callable:
     return fn
 
 
-def _impl(name: str, fn: Callable, q, k, v, do, required: bool) -> Impl:
+def _impl(name: str, fn: Callable, q, k, v, do, required: bool, trained: Optional[Dict] = None) -> Impl:
+    """The timed calls and checked outputs of one implementation; trained: name -> leaf whose
+    gradient the backward computes too (output "d<name>")."""
+    extra = dict(trained or {})
+    wrt = (q, k, v) + tuple(extra.values())
+
     def outputs():
         out = fn(q, k, v)
-        dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
-        return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+        dq, dk, dv, *dp = torch.autograd.grad(out, wrt, do)
+        return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv, **{f"d{n}": g for n, g in zip(extra, dp)}}
 
-    return Impl(name, lambda: fn(q, k, v), lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), outputs,
+    return Impl(name, lambda: fn(q, k, v), lambda: torch.autograd.grad(fn(q, k, v), wrt, do), outputs,
                 required=required)
 
 
+def _checked_heads(case: ModCase, b: int, h: int, s: int) -> int:
+    """Heads [0, hs) the reference checks: batch 0 only, or every batch row when a bias is trained
+    (its gradient is summed over the batch)."""
+    rows = b if case.trained else 1
+    return max(1, min(h, REF_SCORES // (rows * s * s)))
+
+
+def _select(case: ModCase, hs: int) -> Callable:
+    """The checked slice of an output in BSHD (a trained table (1, H, S, S): its first hs heads)."""
+    if case.trained:
+        return lambda key, t: t[:, :hs] if key[1:] in case.trained else t[:, :, :hs]
+    return lambda key, t: t[:1, :, :hs]
+
+
 def _reference(q, k, v, do, case: ModCase, hs: int, dtype) -> Dict[str, torch.Tensor]:
-    """Naive out, dq, dk, dv in `dtype` on the slice batch 0, heads [0, hs), in BSHD."""
-    sl = [t.detach()[:1, :, :hs].transpose(1, 2) for t in (q, k, v, do)]
+    """Naive out, dq, dk, dv (and the trained tables' gradients) in `dtype` on the checked slice
+    (`_checked_heads`), in BSHD."""
+    rows = q.shape[0] if case.trained else 1
+    sl = [t.detach()[:rows, :, :hs].transpose(1, 2) for t in (q, k, v, do)]
     s = q.shape[1]
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if case.causal else None
     if case.mask_fn is not None:
         mask = _dense_mask(case.mask_fn, s, q.device)
+    params = {n: t.detach()[:, :hs].to(dtype).requires_grad_() for n, t in case.trained.items()}
+    score_fn = case.trained_score(params) if case.trained else case.score_fn
     res = naive_attention(*sl[:3], scale=1 / math.sqrt(q.shape[-1]), dtype=dtype, mask=mask,
-                          score_fn=case.score_fn, grad_out=sl[3])
-    return {key: t.transpose(1, 2) for key, t in res.items()}
+                          score_fn=score_fn, grad_out=sl[3], params=params)
+    return {key: (t if key[1:] in params else t.transpose(1, 2)) for key, t in res.items()}
 
 
 def _inputs(device, b, h, s, d, seed):
@@ -199,15 +241,17 @@ def run(quick: bool, device: torch.device, *, shape=(B, H, S, D), with_flex: boo
                                 "checked against the float64 reference on batch 0, heads [0, hs) with "
                                 "hs * S^2 <= 2^28 (all heads at S=4096)"])
     for case in cases(device, b, h, s):
-        impls = [_impl(name, _fused_fn(kw, backend), q, k, v, do, True) for name, kw in case.fused_kwargs().items()]
+        impls = [_impl(name, _fused_fn(kw, backend), q, k, v, do, True, case.trained)
+                 for name, kw in case.fused_kwargs().items()]
         if with_flex and (case.flex_score is not None or case.flex_causal or case.mask_fn is not None):
-            impls.append(_impl("flex_compiled", _flex_fn(case, device, b, s), q, k, v, do, False))
-        expected, bounds = reference_and_bounds(lambda dt: _reference(q, k, v, do, case, hs, dt), q.dtype)
+            impls.append(_impl("flex_compiled", _flex_fn(case, device, b, s), q, k, v, do, False, case.trained))
+        hs_case = _checked_heads(case, b, h, s)
+        expected, bounds = reference_and_bounds(lambda dt: _reference(q, k, v, do, case, hs_case, dt), q.dtype)
         flops = {m: attn_flops(b, h, s, s, d, causal=case.causal, mode=m) for m in ("fwd", "fwd_bwd")}
         config = f"{case.name} B{b} H{h} S{s} D{d}"
         if case.note:
             result.notes.append(f"{config}: {case.note}")
-        result.extend(run_config("mods", config, impls, expected, bounds, select, flops, device,
+        result.extend(run_config("mods", config, impls, expected, bounds, _select(case, hs_case), flops, device,
                                  rep_ms=40.0 if quick else 80.0))
         del expected
     result.extend(_softcap_rebuild_check(q, k, v, do, hs, backend, select))

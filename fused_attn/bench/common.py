@@ -195,7 +195,7 @@ class Impl:
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dtype: torch.dtype,
                     mask: Optional[torch.Tensor] = None, score_fn: Optional[Callable[..., torch.Tensor]] = None,
-                    grad_out: Optional[torch.Tensor] = None,
+                    grad_out: Optional[torch.Tensor] = None, params: Optional[Dict[str, torch.Tensor]] = None,
                     block_scores: int = REF_BLOCK_SCORES) -> Dict[str, torch.Tensor]:
     """`fused_attn.testing.reference_attention` in `dtype`, with its autograd gradients.
 
@@ -204,6 +204,8 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     tensors. Matmuls in `dtype`, softmax in fp32 (float64 when `dtype` is float64): float64 is the
     exact reference, bf16 the naive same-dtype computation of the project's tolerance rule.
     Returns {"out"} and, given grad_out (B, H, Sq, Dv), also "dq", "dk", "dv"; all in `dtype`.
+    params: name -> leaf tensor (requires grad, in `dtype`) that score_fn reads (a trained bias);
+    with grad_out, their gradients are returned too, as "d<name>".
 
     Computed in blocks of query rows of at most `block_scores` scores, so a float64 reference
     holds score matrices of at most 128 MiB (about 1 GiB at its peak) whatever the checked slice;
@@ -219,6 +221,8 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     outs: List[torch.Tensor] = []
     dqs: List[torch.Tensor] = []
     dk = dv = None
+    named = dict(params or {})
+    d_params: Dict[str, torch.Tensor] = {}
     for r0 in range(0, sq, rows):
         r1 = min(sq, r0 + rows)
         leaves = [t.detach().requires_grad_(grad_out is not None) for t in (qd[:, :, r0:r1], kd, vd)]
@@ -227,14 +231,17 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
                                  dtype=dtype, softmax_dtype=soft)[0]
         outs.append(out.detach())
         if grad_out is not None:
-            gq, gk, gv = torch.autograd.grad(out, leaves, grad_out[:, :, r0:r1].to(dtype))
+            gq, gk, gv, *gp = torch.autograd.grad(out, leaves + list(named.values()), grad_out[:, :, r0:r1].to(dtype))
             dqs.append(gq)
+            for name, g in zip(named, gp):
+                d_params[name] = g.to(soft) if name not in d_params else d_params[name].add_(g)
             dk = gk.to(soft) if dk is None else dk.add_(gk)
             dv = gv.to(soft) if dv is None else dv.add_(gv)
         del out, leaves
     result = {"out": torch.cat(outs, dim=2)}
     if grad_out is not None:
         result.update(dq=torch.cat(dqs, dim=2), dk=dk.to(dtype), dv=dv.to(dtype))
+        result.update({f"d{name}": g.to(dtype) for name, g in d_params.items()})
     return result
 
 
