@@ -36,6 +36,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple, Union
 import torch
 
 from .autograd import check_mod_unchanged
+from .band_ragged import RaggedWindowBackward, area_fraction, geometry
 from .memo import BoundedMemo
 from .backends.cudnn.common import grad_output
 from .plan import NO_VARLEN, CallPlan, Refusal, _static_problem, call_signature, get_plan, signature_records_grad
@@ -309,8 +310,6 @@ def _ragged_geometry(spec: AttentionSpec, query: Any, key: Any, sinks: Optional[
     if (not grad or sinks is not None or spec.deterministic or spec.qkv_format != "bshd" or band.bottom_right
             or band.left is None or band.right != 0 or query.shape[1] != key.shape[1]):
         return None
-    from .band_ragged import geometry
-
     return geometry(query.shape[0], query.shape[1], band.left)
 
 
@@ -326,12 +325,8 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
     pieces = plan_pieces(spec.band, sq, skv)
     scores = query.numel() // max(1, query.shape[-1]) * skv
     ragged = None if pieces is None else _ragged_geometry(spec, query, key, sinks, grad)
-    if ragged is not None:
-        from .band_ragged import area_fraction
-
-        work = area_fraction(ragged)
     how = None if pieces is None else strategy(pieces, scores, query.shape[-1], grad, query.numel(),
-                                               None if ragged is None else work)
+                                               None if ragged is None else area_fraction(ragged))
     if how is None:
         return None
 
@@ -342,8 +337,6 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
         if how == "ragged" and ragged is None:
             how = "forward"  # (a forced strategy on a call the packed window does not serve)
         if how == "ragged":
-            from .band_ragged import RaggedWindowBackward
-
             try:
                 call = call._replace(backward_ragged=RaggedWindowBackward(spec, mod, query, key, value, ragged))
             except Refusal:
