@@ -25,6 +25,7 @@ gradients (about (C + L) / C times K's size).
 from __future__ import annotations
 
 import dataclasses
+from itertools import accumulate
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -85,20 +86,12 @@ def _varlens(g: Geometry, device: torch.device) -> Tuple[Varlen, Varlen, torch.T
     starts = [b * g.seq + q0 for b, q0, _ in g.body]
     first = starts[0]
     q_lens = [q1 - q0 for _, q0, q1 in g.body]
-    cu_q = torch.tensor([0] + _cumsum(q_lens), **i32)
-    cu_kv = torch.tensor([0] + _cumsum([n + g.left for n in q_lens]), **i32)
+    cu_q = torch.tensor(list(accumulate(q_lens, initial=0)), **i32)
+    cu_kv = torch.tensor(list(accumulate((n + g.left for n in q_lens), initial=0)), **i32)
     padded_q = torch.tensor([s - first for s in starts] + [g.batch * g.seq - first], **i32)
     body = Varlen(cu_q, cu_kv, padded_q, None, g.chunk, g.chunk + g.left)
     index = torch.cat([torch.arange(s - g.left, s + n, device=device) for s, n in zip(starts, q_lens)])
     return head, body, index, first
-
-
-def _cumsum(xs: List[int]) -> List[int]:
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
 
 
 class RaggedWindowBackward:
@@ -110,8 +103,7 @@ class RaggedWindowBackward:
 
     def __init__(self, spec: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  g: Geometry) -> None:
-        self.geometry = g
-        b, s, h, d = query.shape
+        b, s, h, _ = query.shape
         dev = query.device
         self.head_varlen, self.body_varlen, self.index, self.first = _varlens(g, dev)
         flat = [t.detach().reshape(b * s, t.shape[2], t.shape[3]) for t in (query, key, value)]
@@ -127,7 +119,7 @@ class RaggedWindowBackward:
     def backward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, mod: Any, grad_out: torch.Tensor):
         """(dq, dk, dv) in the inputs' shapes; out, grad_out (B, S, H, Dv); lse (B, H, S) fp32."""
-        b, s, h, d = query.shape
+        b, s, h, _ = query.shape
         rows = b * s
         q, k, v = (t.reshape(rows, t.shape[2], t.shape[3]) for t in (query, key, value))
         o, d_o = out.reshape(rows, h, out.shape[3]), grad_out.reshape(rows, h, grad_out.shape[3])

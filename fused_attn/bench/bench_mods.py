@@ -64,7 +64,7 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
     trained = {dt: bias.to(dt).requires_grad_() for dt in (torch.float32, torch.bfloat16)}
     slopes = alibi_slope_values(h, device)
     capped = lambda sc, b_, h_, q, k: cap * torch.tanh(sc / cap)
-    biased = lambda sc, b_, h_, q, k: sc + bias[0, h_, q, k]
+    biased = _bias_score(bias)
     alibied = lambda sc, b_, h_, q, k: sc + slopes[h_] * (k - q).to(sc.dtype)
     side = math.isqrt(s)
     natten_cases = []
@@ -104,7 +104,7 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
         ModCase(f"post_scale_bias {str(dt).replace('torch.', '')} trained",
                 lambda t=t: {"fused_attn": {"score_mod": post_scale_bias(t)}},
                 flex_score=_bias_score(t), trained={"bias": t},
-                trained_score=lambda p: (lambda sc, b_, h_, q, k: sc + p["bias"][0, h_, q, k]),
+                trained_score=lambda p: _bias_score(p["bias"]),
                 note="the bias (1, H, S, S) requires grad: fwd+bwd times and checks its gradient too (summed over "
                      "the batch), on every batch row and the first heads with B * heads * S^2 <= 2^28")
         for dt, t in trained.items()
