@@ -197,7 +197,7 @@ def _logits(model, impl: str, batch: Dict[str, object]) -> torch.Tensor:
 def train_run(model, impl: str, batches: Sequence[Dict[str, object]], init_state: Dict[str, torch.Tensor],
               warmup: int, device: torch.device) -> Dict[str, object]:
     """Train from `init_state` on `batches` with `impl`: losses, median step ms after `warmup`
-    steps, peak memory. Raises what the impl raises (OOM included)."""
+    steps, peak memory, and whether a FallbackWarning was raised. Raises what the impl raises."""
     model.load_state_dict(init_state)
     model.set_attn_implementation(impl)
     model.train()
@@ -208,22 +208,62 @@ def train_run(model, impl: str, batches: Sequence[Dict[str, object]], init_state
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        for i, batch in enumerate(batches):
-            t0 = time.perf_counter()
-            loss = model(**batch, use_cache=False).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, batch in enumerate(batches):
+                t0 = time.perf_counter()
+                _train_step(model, opt, batch, losses)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) * 1e3)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     finally:
         del opt
     return {"losses": [float(x) for x in losses], "step_ms": statistics.median(times) if times else None,
-            "peak_gb": peak}
+            "peak_gb": peak, "fallback": any(w.category.__name__ == "FallbackWarning" for w in caught)}
+
+
+def _train_step(model, opt, batch: Dict[str, object], losses: List[torch.Tensor]) -> None:
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    losses.append(loss.detach())
+
+
+def _guarded_run(model, impl: str, batches: Sequence[Dict[str, object]], init_state: Dict[str, torch.Tensor],
+                 warmup: int, device: torch.device) -> Tuple[Optional[Dict[str, object]], Optional[str]]:
+    """train_run, or (None, why) when the impl runs out of memory or fails; frees cached memory."""
+    try:
+        return train_run(model, impl, batches, init_state, warmup, device), None
+    except torch.cuda.OutOfMemoryError:
+        return None, "OOM"
+    except Exception as exc:
+        return None, f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    finally:
+        _free(device)
+
+
+def gpu_ms_per_step(model, impl: str, batches: Sequence[Dict[str, object]], init_state: Dict[str, torch.Tensor],
+                    device: torch.device, profiled: int = 3) -> float:
+    """Device kernel ms per training step of `impl` (a torch.profiler pass over the last `profiled`
+    batches after the others warmed up): what the step costs the GPU, host gaps excluded."""
+    from .steps import profile_steps
+
+    model.load_state_dict(init_state)
+    model.set_attn_implementation(impl)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    losses: List[torch.Tensor] = []
+    try:
+        for batch in batches[:-profiled]:
+            _train_step(model, opt, batch, losses)
+        return profile_steps(lambda batch: _train_step(model, opt, batch, losses), batches[-profiled:],
+                             device)["gpu_ms_per_step"]
+    finally:
+        del opt
+        _free(device)
 
 
 def _tokens(batch: Dict[str, object]) -> int:
@@ -233,9 +273,10 @@ def _tokens(batch: Dict[str, object]) -> int:
 def run_model(family: str, quick: bool, device: torch.device, *, size: str = "bench",
               impls: Sequence[str] = IMPLS, shapes: Optional[Sequence[Tuple[str, int, int]]] = None,
               curve_label: str = "B4 S2048", curve_steps: Optional[int] = None, timed_steps: int = 10,
-              warmup: int = 3, check_len: Optional[int] = None) -> SuiteResult:
-    """One model family: the logits check, then a training run per (batch shape, impl); the
-    loss-curve rows (suite "models_loss") follow the timing rows."""
+              warmup: int = 3, check_len: Optional[int] = None, rounds: int = 3) -> SuiteResult:
+    """One model family: the logits check, then per batch shape `rounds` training runs of every
+    impl in turn (losses, curves and memory from the first; step ms: the best round's median);
+    the loss-curve rows (suite "models_loss") follow the timing rows."""
     from fused_attn.integrations.transformers import register
 
     register()
@@ -261,42 +302,42 @@ def run_model(family: str, quick: bool, device: torch.device, *, size: str = "be
             batches = [data.packed_batch(s, max(8, s // 32), max(16, s // 4), device) for _ in range(steps)]
         else:
             batches = [data.dense_batch(b, s, device) for _ in range(steps)]
-        curves: Dict[str, List[float]] = {}
+        tokens = sum(_tokens(x) for x in batches) / len(batches)
+        rows: Dict[str, Dict[str, object]] = {}
         for impl in impls:
-            row = {"suite": "models", "model": family, "params_M": n_params / 1e6, "batch": label, "impl": impl,
-                   "tokens_per_s": None, "step_ms": None, "peak_gb": None, "loss_end": None,
-                   "check": checks[impl][0], "attention": attention_features(impl, family), "note": ""}
+            rows[impl] = {"suite": "models", "model": family, "params_M": n_params / 1e6, "batch": label,
+                          "impl": impl, "tokens_per_s": None, "step_ms": None, "gpu_ms": None, "peak_gb": None,
+                          "loss_end": None, "check": checks[impl][0], "attention": attention_features(impl, family),
+                          "note": ""}
             if checks[impl][0].startswith("unsupported"):
-                row["note"] = "not run (the logits check could not run it)"
-                result.rows.append(row)
-                continue
-            try:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    run = train_run(model, impl, batches, init_state, min(warmup, steps - 1), device)
-            except torch.cuda.OutOfMemoryError:
-                row["note"] = "OOM"
-                result.rows.append(row)
-                _free(device)
-                continue
-            except Exception as exc:
-                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-                row["note"] = "FAILED: " + msg
-                if impl == "fused_attn":
-                    result.failures.append(f"models / {family} / {label}: fused_attn failed: {msg}")
-                result.rows.append(row)
-                _free(device)
-                continue
-            tokens = sum(_tokens(x) for x in batches) / len(batches)
-            ms = run["step_ms"]
-            row.update(step_ms=ms, peak_gb=run["peak_gb"], loss_end=run["losses"][-1], _loss0=run["losses"][0],
-                       tokens_per_s=tokens / (ms / 1e3) if ms else None)
-            if any(w.category.__name__ == "FallbackWarning" for w in caught):
-                row["note"] = "fused_attn ran (partly) on the reference backend: FallbackWarning"
-            result.rows.append(row)
-            if curve:
-                curves[impl] = run["losses"]
-            _free(device)
+                rows[impl]["note"] = "not run (the logits check could not run it)"
+        live = [impl for impl in impls if not rows[impl]["note"]]
+        round_ms: Dict[str, List[float]] = {impl: [] for impl in live}
+        curves: Dict[str, List[float]] = {}
+        for rnd in range(rounds):  # the implementations take turns: a slow spell hits one round of each
+            for impl in list(live):
+                run, failure = _guarded_run(model, impl, batches if rnd == 0 else batches[:warmup + timed_steps],
+                                            init_state, min(warmup, steps - 1), device)
+                if failure is not None:
+                    rows[impl]["note"] = failure
+                    if impl == "fused_attn" and failure != "OOM":
+                        result.failures.append(f"models / {family} / {label}: fused_attn {failure}")
+                    live.remove(impl)
+                    continue
+                round_ms[impl].append(run["step_ms"])
+                if rnd == 0:
+                    rows[impl].update(peak_gb=run["peak_gb"], loss_end=run["losses"][-1], _loss0=run["losses"][0])
+                    if run["fallback"]:
+                        rows[impl]["note"] = "fused_attn ran (partly) on the reference backend: FallbackWarning"
+                    if curve:
+                        curves[impl] = run["losses"]
+        for impl in live:
+            ms = min(round_ms[impl])
+            rows[impl].update(step_ms=ms, tokens_per_s=tokens / (ms / 1e3) if ms else None)
+            if device.type == "cuda":
+                rows[impl]["gpu_ms"] = gpu_ms_per_step(model, impl, batches[:warmup + timed_steps], init_state,
+                                                       device)
+        result.rows += list(rows.values())
         _flag_first_losses(result.rows, family, label)
         if curves:
             curve_rows += loss_rows(family, label, curves)
@@ -338,7 +379,9 @@ def _free(device: torch.device) -> None:
 def run(quick: bool, device: torch.device, families: Sequence[str] = BENCH_FAMILIES) -> SuiteResult:
     """The `models` suite (see the module docstring)."""
     result = SuiteResult(notes=[
-        "tokens_per_s / step_ms: training steps (forward, backward, AdamW) in bf16, median after 3 warm-up steps; "
+        "tokens_per_s / step_ms: training steps (forward, backward, AdamW) in bf16: 3 rounds in which the "
+        "implementations take turns, each the median step after 3 warm-up steps; the best round counts; "
+        "gpu_ms: device kernel time per step (torch.profiler, 3 steps), host gaps excluded; "
         "check: bf16 logits vs eager on fp32 weights within 2 x (eager bf16 error) + 4e-3 x max|logit|; attention: "
         "whether the impl takes the model's softcap (Gemma 2) / sinks (gpt-oss)"])
     try:
