@@ -44,12 +44,14 @@ def test_cpu_smoke_checks_times_and_writes_csv(tmp_path):
     assert host_fwd and all(0 < float(r["max_err"]) <= float(r["bound"]) < 0.1 for r in host_fwd)
     assert "float64 reference" in (tmp_path / "smoke_cpu.md").read_text()
     host = {(r["mode"], r["impl"]) for r in rows if r["suite"] == "host" and r.get("us_per_call")}
+    through_transformers = {("fwd+bwd", "transformers fn: fused_attn")} if _has_transformers() else set()
     assert host == {("fwd", "fused_attn functional"), ("fwd", "fused_attn module"), ("fwd", "fused_attn functional softcap"),
                     ("fwd", "fused_attn functional softcap + causal"), ("fwd+bwd", "fused_attn functional"),
                     ("fwd+bwd", "fused_attn module"),
-                    ("fwd+bwd", "floor: empty Python autograd.Function (no attention)")}
+                    ("fwd+bwd", "floor: empty Python autograd.Function (no attention)")} | through_transformers
     # the attention fwd+bwd rows were checked (gradients against the float64 reference)
-    checked = [r for r in rows if r["suite"] == "host" and r["mode"] == "fwd+bwd" and r["impl"].startswith("fused")]
+    checked = [r for r in rows if r["suite"] == "host" and r["mode"] == "fwd+bwd" and "fused_attn" in r["impl"]]
+    assert len(checked) == 2 + len(through_transformers)
     assert checked and all(0 < float(r["worst_err_over_bound"]) <= 1 for r in checked)
 
 
@@ -283,3 +285,11 @@ def test_mods_bench_checks_a_trained_bias_gradient_over_the_whole_batch():
         impl.outputs = lambda: {**right(), "dbias": right()["dbias"] * 1.1}
         with pytest.raises(ImplWrongError, match="dbias"):
             check_impl(impl, expected, bounds, M._select(case, hs))
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -141,8 +142,29 @@ def _fwd_bwds(device, gen) -> Tuple[Dict[str, Callable[[], object]], Tuple[torch
 
         raw = RawSdpa(q.detach(), k.detach(), v.detach(), causal=False)
         fns[BARE] = lambda: BareCudnnFunction.apply(raw, q, k, v).backward(do)
+    fns.update(_transformers_fns(q, k, v, do, backend))
     fns[FLOOR] = lambda: EmptyAutogradFunction.apply(q, k, v).backward(do)
     return fns, (q, k, v, do)
+
+
+def _transformers_fns(q, k, v, do, backend: str) -> Dict[str, Callable[[], object]]:
+    """fwd + backward through transformers' attention functions as a model's layer calls them
+    (query / key / value (B, H, S, D) views, out (B, S, H, D)): fused_attn's and, on CUDA, sdpa's.
+    Empty without transformers."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from ..integrations.transformers import make_attention_forward
+    except ImportError:
+        return {}
+    layer = types.SimpleNamespace(is_causal=False, training=True)  # what the functions read of a layer
+    heads_first = [x.transpose(1, 2) for x in (q, k, v)]
+    ours = make_attention_forward(backend)
+    fns = {"transformers fn: fused_attn": lambda: ours(layer, *heads_first, None)[0].backward(do)}
+    if q.device.type == "cuda":
+        sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        fns["transformers fn: sdpa"] = lambda: sdpa(layer, *heads_first, None)[0].backward(do)
+    return fns
 
 
 FLOOR = "floor: empty Python autograd.Function (no attention)"
@@ -174,6 +196,8 @@ def _ratio_notes(rows: List[Dict[str, object]]) -> List[str]:
 
     ratio("fwd host, functional vs the frontend's bare ordered execute", ("fwd", "fused_attn functional"),
           ("fwd", "raw_cudnn execute (tensor_uids)"))
+    ratio("fwd+bwd host through transformers' attention function, fused_attn vs sdpa",
+          ("fwd+bwd", "transformers fn: fused_attn"), ("fwd+bwd", "transformers fn: sdpa"))
     ratio("fwd host, softcap + causal vs softcap alone", ("fwd", "fused_attn functional softcap + causal"),
           ("fwd", "fused_attn functional softcap"))
     ratio("fwd+bwd host, functional vs torch SDPA (cuDNN)", ("fwd+bwd", "fused_attn functional"),
@@ -335,7 +359,7 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
             row["note"] = "WRONG: " + str(exc)
             continue
         except Exception as exc:
-            if name.startswith("fused_attn"):
+            if "fused_attn" in name:
                 result.failures.append(f"host / fwd+bwd {name}: {type(exc).__name__}: {exc}")
             row["note"] = f"FAILED: {type(exc).__name__}: {exc}"
             continue
