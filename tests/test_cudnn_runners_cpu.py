@@ -347,13 +347,38 @@ def test_packed_as_dense_refuses_sinks_and_huge_biases():
     assert why is not None and "indexed by positions" in why and "'w'" in why
 
 
-def test_padded_score_mod_without_causal_mask_is_refused():
+def test_padded_score_mod_without_causal_mask_runs_as_a_padded_dense_batch(stub):
+    """A padded batch whose score_mod the ragged graph cannot bound (no causal mask) runs through its packed form as the padded dense batch with the lengths in the bias; what
+    that form refuses (a raw callback, sinks) stays refused with the reason."""
+    from fused_attn.backends.cudnn.packed_dense import PackedAsDenseRunner
+    from fused_attn.backends.cudnn.padded import PaddedAsThdRunner
+    from fused_attn.backends.cudnn.thd import ThdRunner
+
     q, k, v = (bf16(2, 128, 2, 64) for _ in range(3))
     cu = torch.tensor([0, 100, 228], dtype=torch.int32)
-    for mask, served in (("padding", False), ("padding_causal", True)):
+    for mask, inner in (("padding", PackedAsDenseRunner), ("padding_causal", ThdRunner)):
         spec, mod = resolve_spec(attn_mask_type=mask, score_mod=sm.softcap(20.0), backend="cudnn")
+        assert backend._mod_refusal(_static_problem(spec, mod, q, k, v, Varlen(cu, cu), None, True), mod) is None
+        runner, mod = runner_for(q, k, v, Varlen(cu, cu), attn_mask_type=mask, score_mod=sm.softcap(20.0),
+                                 backend="cudnn", return_lse=True)
+        assert isinstance(runner, PaddedAsThdRunner) and isinstance(runner.runner, inner), mask
+        out, lse = full_cycle(runner, q, k, v, Varlen(cu, cu), mod, None, [])
+        assert out.shape == q.shape and lse.shape == (2, 2, 128)
+
+
+def test_padded_score_mod_whose_packed_form_is_refused_stays_refused(monkeypatch):
+    """The score_mod checks of the packed form decide (the CPU tensors' device check skipped):
+    sinks and dropout have no padded dense form, so such padded calls keep the key-tail refusal."""
+    monkeypatch.setattr(backend, "refusal", lambda problem, keys_bounded=False: backend._mod_refusal(
+        problem, problem.spec.score_mod, keys_bounded))
+    q, k, v = (bf16(2, 128, 2, 64) for _ in range(3))
+    cu = torch.tensor([0, 100, 228], dtype=torch.int32)
+    for extra, served in ((dict(), True), (dict(softmax_type="off-by-one"), False), (dict(dropout_p=0.1), False)):
+        spec, mod = resolve_spec(attn_mask_type="padding", score_mod=sm.softcap(20.0), backend="cudnn", **extra)
         why = backend._mod_refusal(_static_problem(spec, mod, q, k, v, Varlen(cu, cu), None, True), mod)
-        assert (why is None) == served, why
+        assert (why is None) == served, (extra, why)
+        if not served:
+            assert "do not mask keys past each sequence's length" in why
 
 
 def test_padded_dense_runs_as_packed(stub):

@@ -138,3 +138,32 @@ def test_graph_builds_bounded_over_random_batches():
     # batch buckets {1, 2, 4, 8} x seq buckets {64..1024}: a handful, not one per step
     assert info.thd_builds <= 2 * 4 * 5 and info.thd_builds == info.builds
     assert info.builds < 50
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, (24, 24)])
+def test_dense_padding_with_a_score_mod(dtype, window):
+    """attn_mask_type="padding" + softcap (no causal mask) on a dense (B, S, H, D) batch: through its
+    packed form as the padded dense batch with the lengths in the bias; rows past a length stay 0."""
+    import fused_attn
+    import score_mods as sm
+
+    torch.manual_seed(12)
+    b, s, h, hkv, d, cap = 3, 192, 4, 2, 64, 20.0
+    lens_q, lens_kv = [37, 192, 100], [5, 192, 77]
+    q = torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, s, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, s, hkv, d, device="cuda", dtype=dtype, requires_grad=True)
+    grad = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+    out, lse = fused_attn.dot_product_attention(q, k, v, qkv_format="bshd", attn_mask_type="padding",
+                                                window_size=window, cu_seqlens_q=cu(lens_q), cu_seqlens_kv=cu(lens_kv),
+                                                score_mod=sm.softcap(cap), backend="cudnn", return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    logical = lambda t, i, n: t[i:i + 1, :n].transpose(1, 2)  # (1, H, n, D)
+    for i, (lq, lkv) in enumerate(zip(lens_q, lens_kv)):
+        mask = sequence_mask(lq, lkv, "no_mask", window)
+        got = [logical(grads[0], i, lq), logical(grads[1], i, lkv), logical(grads[2], i, lkv)]
+        check(logical(out, i, lq), lse[i:i + 1, :, :lq], got, logical(q, i, lq), logical(k, i, lkv),
+              logical(v, i, lkv), logical(grad, i, lq), 1 / math.sqrt(d), mask, f"sequence {i} ", softcap_fn(cap))
+        for name, t, n in (("out", out, lq), ("dq", grads[0], lq), ("dk", grads[1], lkv), ("dv", grads[2], lkv)):
+            assert (t[i, n:] == 0).all(), f"{name} past sequence {i}'s length"

@@ -5,7 +5,9 @@ sequence b starts at row b*S: the thd runner then reads only real tokens (keys p
 are never loaded — padding is often uninitialised memory, and the dense kernel lets NaN there
 reach other rows), writes zeros in rows past a query length, and a sequence without keys gets
 zero rows (the dense kernel leaves them unwritten). bshd inputs are viewed without a copy; sbhd
-and bhsd inputs are copied into that order first.
+and bhsd inputs are copied into that order first. A packed form that cuDNN's ragged graphs cannot
+bound (a score_mod without a top-left causal mask: `runs_as_dense`) runs as the packed-as-dense
+batch of `packed_dense`, whose bias holds the lengths.
 
 Shapes: q (B, Sq, H, D) etc. in the plan's format; out in the same format; lse (B, H, Sq).
 """
@@ -13,7 +15,7 @@ Shapes: q (B, Sq, H, D) etc. in the plan's format; out in the same format; lse (
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -41,13 +43,15 @@ class PaddedAsThdRunner:
     backend = "cudnn"
     validates_lengths = True  # the thd preparation checks cu_seqlens against S and the padded offsets
 
-    def __init__(self, problem: Any, version: int) -> None:
+    def __init__(self, problem: Any, version: int, make_packed: Optional[Callable[[Any], Any]] = None) -> None:
+        """make_packed(packed problem): the packed runner (default: cuDNN's, see the module doc;
+        tests pass one over the reference)."""
         self.static = problem
         self.fmt = problem.spec.qkv_format
         self.perm = _TO_BSHD[self.fmt]
         b, sq, skv = problem.batch, problem.seqlen_q, problem.seqlen_kv
         self.shape = (b, sq, skv)
-        self.runner = ThdRunner(thd_problem(problem), version)
+        self.runner = (make_packed or (lambda packed: _packed_runner(packed, version)))(thd_problem(problem))
         dev = problem.device
         self.pad_q = torch.arange(b + 1, dtype=torch.int32, device=dev) * sq
         self.pad_kv = torch.arange(b + 1, dtype=torch.int32, device=dev) * skv
@@ -106,3 +110,12 @@ class PaddedAsThdRunner:
         return self._grads(self.runner.backward_with_lse(*self._inputs(q, k, v), self._packed(out, sq), packed_lse,
                                                          self._varlen(varlen), mod, sinks, self._packed(grad_out, sq)))
 
+
+def _packed_runner(packed: Any, version: int) -> Any:
+    from . import runs_as_dense
+
+    if runs_as_dense(packed):
+        from .packed_dense import PackedAsDenseRunner
+
+        return PackedAsDenseRunner(packed, version)
+    return ThdRunner(packed, version)
