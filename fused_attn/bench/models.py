@@ -11,9 +11,10 @@ Per model, first the correctness check: the logits of one batch (B1 S1024; quick
 implementation in bf16 against eager on an fp32 copy of the weights, within the project's rule
 (2 x the error of eager in bf16 + 4e-3 x max|logit|). Then, per batch shape (B2 S4096, B4 S2048
 and a packed row of 8192 tokens of mixed-length documents with cu_seq_lens), every
-implementation trains from the same initial weights on the same batches: rows with tokens/s,
-step ms (median after warm-up), peak memory, the last loss and whether the implementation
-applies the model's real attention (Gemma 2's softcap, gpt-oss's sinks: transformers' sdpa has
+implementation trains from the same initial weights on the same batches, the implementations
+taking turns over 3 rounds: rows with tokens/s, step ms (the best round's median after warm-up),
+GPU ms per step (kernel time of a profiled pass: the step's GPU work without host gaps), peak
+memory, the last loss and whether the implementation applies the model's real attention (Gemma 2's softcap, gpt-oss's sinks: transformers' sdpa has
 no softcap argument, so it silently drops Gemma 2's softcap). The B4 S2048 run is long enough
 to print loss curves (loss at steps 0, 10, 20, ...; 200 steps, quick: 30), which should agree
 across implementations that compute the same attention.
