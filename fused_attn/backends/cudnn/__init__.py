@@ -76,7 +76,7 @@ def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False) -> Optional
         why = _key_tail_refusal(problem)
         if why is not None:
             if not problem.is_packed:
-                return None if _served_as_packed(problem) else why
+                return None if _padded_as_thd(problem) else why  # its packed form bounds the keys
             from .packed_dense import refusal as dense_refusal
 
             why_dense = dense_refusal(problem, refusal)  # the padded dense batch checks the rest
@@ -116,17 +116,6 @@ def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False) -> Optional
                     "is wrong when the graph also has a score_mod callback (measured on cuDNN 9.19); train the bias "
                     "alone (post_scale_bias) or use backend='reference'")
     return None
-
-
-def _served_as_packed(problem: Any) -> bool:
-    """A dense padded problem whose score_mod its own graph cannot bound, served through its
-    packed form (`padded.PaddedAsThdRunner`), which runs as a padded dense batch with the lengths
-    in cuDNN's bias input (`packed_dense`)."""
-    if not problem.spec.padding:
-        return False
-    from .padded import thd_problem
-
-    return refusal(thd_problem(problem)) is None
 
 
 def _parts(problem: Any, mod: Any) -> Tuple[Any, Any]:
@@ -223,7 +212,9 @@ def make_runner(problem: Any, into: Any = None, keys_bounded: bool = False) -> A
 
 
 def _padded_as_thd(problem: Any) -> bool:
-    """Dense padded plans run as packed sequences whenever the packed path can serve them."""
+    """Dense padded plans run as packed sequences whenever the packed path can serve them (a
+    score_mod the packed ragged graph cannot bound then runs as `packed_dense`'s padded dense
+    batch with the lengths in cuDNN's bias input)."""
     if not problem.spec.padding:
         return False
     from .padded import thd_problem
