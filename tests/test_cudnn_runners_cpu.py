@@ -348,8 +348,9 @@ def test_packed_as_dense_refuses_sinks_and_huge_biases():
 
 
 def test_padded_score_mod_without_causal_mask_runs_as_a_padded_dense_batch(stub):
-    """A padded batch whose score_mod the ragged graph cannot bound (no causal mask) runs through its packed form as the padded dense batch with the lengths in the bias; what
-    that form refuses (a raw callback, sinks) stays refused with the reason."""
+    """A padded batch whose score_mod the ragged graph cannot bound (no causal mask) runs through its
+    packed form as the padded dense batch with the lengths in the bias; under a causal mask it keeps
+    the ragged graph (what that form refuses: the next test)."""
     from fused_attn.backends.cudnn.packed_dense import PackedAsDenseRunner
     from fused_attn.backends.cudnn.padded import PaddedAsThdRunner
     from fused_attn.backends.cudnn.thd import ThdRunner

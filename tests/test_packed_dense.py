@@ -4,7 +4,7 @@ CPU: the layout moves (tokens to padded rows and back, gaps between sequences), 
 bias (lengths, band, bottom-right shift) and the empty-row handling, with the reference backend's
 dense runner standing in for cuDNN's: in float64 the result must equal the packed reference (both
 exact; the bound only allows for summation order); the same for dense padded batches, which reach
-it through their packed form. On cuDNN: test_varlen_gpu.py, test_varlen_api_gpu.py, test_cudnn_gpu.py.
+it through their packed form. On cuDNN: test_varlen_gpu.py, test_varlen_api_gpu.py.
 """
 
 import pytest
