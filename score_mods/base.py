@@ -149,6 +149,20 @@ class ScoreMod(abc.ABC):
         """Emit d(loss)/d(score) given dscore = d(loss)/d(modified score); see lower_forward."""
         raise NotImplementedError(f"score_mod {self.name!r} has no cuDNN backward")
 
+    def score_scale(self) -> float:
+        """The factor c that `lower_scaled_forward` expects the score to arrive multiplied by
+        (the backend folds it into cuDNN's attention scale); 1.0: none."""
+        return 1.0
+
+    def lower_scaled_forward(self, graph: Any, score: Any, operands: Dict[str, Any], memo: Dict[Any, Any]) -> Any:
+        """`lower_forward` for a callback whose score arrives multiplied by `score_scale()`: the
+        backend's entry point (it binds attention scale x score_scale()); see lower_forward."""
+        return self.lower_forward(graph, score, operands, memo)
+
+    def lower_scaled_backward(self, graph: Any, dscore: Any, operands: Dict[str, Any], memo: Dict[Any, Any]) -> Any:
+        """d(loss)/d(score x score_scale()) for `lower_scaled_forward`; see lower_backward."""
+        return self.lower_backward(graph, dscore, operands, memo)
+
     def __repr__(self) -> str:
         return f"<ScoreMod {self.name}>"
 

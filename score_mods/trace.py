@@ -616,6 +616,26 @@ class TracedMod(ScoreMod):
     def lower_backward(self, graph, dscore, operands, memo):
         return lower_cudnn.lower_backward(self.plan, graph, dscore, operands, memo, self.name)
 
+    def score_scale(self) -> float:
+        """The host value of the factor folded out of this mod (lower_cudnn.scaled_plan_for), or 1.0."""
+        node = lower_cudnn.scaled_plan_for(self.root).score_scale
+        if node is None:
+            return 1.0
+        hit = self.__dict__.get("_score_scale")
+        if hit is not None and hit[0] is self._values:
+            return hit[1]
+        value = float(lower_cudnn.eval_scalar(node, self.scalars_typed()))
+        self._score_scale = (self._values, value)
+        return value
+
+    def lower_scaled_forward(self, graph, score, operands, memo):
+        return lower_cudnn.lower_forward(lower_cudnn.scaled_plan_for(self.root), graph, score, operands, memo,
+                                         self.name)
+
+    def lower_scaled_backward(self, graph, dscore, operands, memo):
+        return lower_cudnn.lower_backward(lower_cudnn.scaled_plan_for(self.root), graph, dscore, operands, memo,
+                                          self.name)
+
     # learned biases ---------------------------------------------------------
     def split_additive_bias(self) -> Tuple[Optional["TracedMod"], Optional["TracedMod"]]:
         """(score_part, bias_part) with mod(s) == score_part(s) + g; see parts.split_additive_bias."""

@@ -20,7 +20,7 @@ from fused_attn.backends.cudnn.graphs import CompiledGraph
 from fused_attn.cache import GRAPH_CACHE, GraphKey
 from fused_attn.graph_store import GraphStoreWarning
 
-ENV = {"cudnn": "91900", "cudnn_frontend": "1.32.0", "torch": "2.13.0", "arch": "sm90", "entry_format": "1"}
+ENV = {"cudnn": "91900", "cudnn_frontend": "1.32.0", "torch": "2.13.0", "arch": "sm90", "entry_format": persist.ENTRY_FORMAT}
 
 
 class FakeGraph:

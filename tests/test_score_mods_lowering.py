@@ -126,7 +126,9 @@ def _grid(sq, skv):
             torch.arange(sq).view(1, 1, sq, 1), torch.arange(skv).view(1, 1, 1, skv))
 
 
-def _lower(mod, sq, skv, b=B, h=H):
+def _lower(mod, sq, skv, b=B, h=H, scaled=False):
+    """Record the lowering; scaled: the backend's entry point (`lower_scaled_*`: the callback
+    receives score x mod.score_scale())."""
     g = FakeGraph()
     score, ds = FakeTensor("leaf", name="score"), FakeTensor("leaf", name="dS")
     ops = dict(mod.cudnn_operands((b, h, sq, skv), device="cpu"))
@@ -135,9 +137,9 @@ def _lower(mod, sq, skv, b=B, h=H):
     ops["kv_len"] = torch.full((1, 1, 1, 1), float(skv))
     fake_ops = {k: FakeTensor("leaf", name=k) for k in ops}
     memo = {}
-    out = mod.lower_forward(g, score, fake_ops, memo)
+    out = (mod.lower_scaled_forward if scaled else mod.lower_forward)(g, score, fake_ops, memo)
     n_fwd = len(g.ops)
-    dout = mod.lower_backward(g, ds, fake_ops, memo)
+    dout = (mod.lower_scaled_backward if scaled else mod.lower_backward)(g, ds, fake_ops, memo)
     return g, out, dout, ops, n_fwd
 
 
@@ -155,13 +157,16 @@ def test_lowering_matches_eager_and_autograd(key):
     check_lowering(mod, B, H, sq, skv)
 
 
-def check_lowering(mod, B, H, sq, skv, scale=2.0):
+def check_lowering(mod, B, H, sq, skv, scale=2.0, scaled=False):
     """The lowered forward (interpreted in fp32, materialized operands included) == eager in
-    float64, and the derived backward == torch.autograd of eager, within 3x the fp32 error."""
-    g, out, dout, ops, _ = _lower(mod, sq, skv, B, H)
+    float64, and the derived backward == torch.autograd of eager, within 3x the fp32 error.
+    scaled: the backend's lowering, fed score x c (c = mod.score_scale(), what cuDNN's attention
+    scale then holds) and its dS multiplied by c (what cuDNN does after the backward callback)."""
+    g, out, dout, ops, _ = _lower(mod, sq, skv, B, H, scaled=scaled)
+    c = mod.score_scale() if scaled else 1.0
     score = torch.randn(B, H, sq, skv) * scale
     ds = torch.randn(B, H, sq, skv)
-    leaves = {"score": score, "dS": ds, **ops}
+    leaves = {"score": score * c, "dS": ds, **ops}
     got = interpret(out, leaves).expand(B, H, sq, skv)
     idx = (torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1),
            torch.arange(sq).view(1, 1, sq, 1), torch.arange(skv).view(1, 1, 1, skv))
@@ -181,9 +186,15 @@ def check_lowering(mod, B, H, sq, skv, scale=2.0):
     (gref,) = torch.autograd.grad(mod.eager(s, *idx, *lens), s, ds.double())
     gs = score.clone().requires_grad_(True)
     (g32,) = torch.autograd.grad(mod.eager(gs, *idx, *lens), gs, ds)
-    gd = interpret(dout, leaves).expand_as(gref)
+    gd = (interpret(dout, leaves) * c).expand_as(gref)
     testing.assert_close(gd, gref, 3 * testing.max_error(g32, gref) + floor, what="derived backward")
     return g
+
+
+@pytest.mark.parametrize("key", list(_mods()))
+def test_scaled_lowering_matches_eager_and_autograd(key):
+    mod, sq, skv = _mods()[key]
+    check_lowering(mod, B, H, sq, skv, scaled=True)
 
 
 @pytest.mark.parametrize("key", list(_mods()))
@@ -266,6 +277,12 @@ from test_score_mods_zoo import H as ZH, S as ZS, zoo  # noqa: E402
 def test_zoo_lowering_matches_eager_and_autograd(name):
     mod, _ = zoo(dtype=torch.float32)[name]
     check_lowering(mod, 1, ZH, ZS, ZS)
+
+
+@pytest.mark.parametrize("name", list(zoo()))
+def test_zoo_scaled_lowering_matches_eager_and_autograd(name):
+    mod, _ = zoo(dtype=torch.float32)[name]
+    check_lowering(mod, 1, ZH, ZS, ZS, scaled=True)
 
 
 @pytest.mark.parametrize("name", list(zoo()))
@@ -507,3 +524,99 @@ def test_the_masked_score_guard_is_added_only_where_needed():
         assert lower_cudnn._masked_stays_masked(root) is not root, name
     for mod in (sm.softcap(20.0), z["t5_bias"][0], z["bias_under_mask"][0], z["natten"][0]):
         assert lower_cudnn._masked_stays_masked(mod.root) is mod.root, mod
+
+
+# --------------------------------------------------------------------------- the softmax-scale fold
+
+def _op_counts(mod, scaled):
+    g, _, _, _, n_fwd = _lower(mod, 4, 4, 1, 1, scaled=scaled)
+    return n_fwd, len(g.ops) - n_fwd
+
+
+def test_softcap_folds_its_divisor_into_the_attention_scale():
+    mod = sm.softcap(50.0)
+    plan = lower_cudnn.scaled_plan_for(mod.root)
+    assert lower_cudnn.show(plan.forward) == "(tanh(score) * cap)" and plan.score_scale is not None
+    assert mod.score_scale() == pytest.approx(1 / 50.0)
+    assert _op_counts(mod, scaled=False) == (3, 3) and _op_counts(mod, scaled=True) == (2, 2)
+    assert mod.plan.score_scale is None  # the plain plan (chains' later parts, eager tools) is unchanged
+    # the factor follows the values bound now, the structure (and graph) stays
+    other = sm.softcap(20.0)
+    assert other.cache_key == mod.cache_key and other.score_scale() == pytest.approx(1 / 20.0)
+    assert mod.take_values(other) and mod.score_scale() == pytest.approx(1 / 20.0)
+
+
+def _pick(name):
+    @sm.score_mod(name=name)
+    def divide_then(score, b, h, q_idx, kv_idx, t=2.0):
+        return sm.where(q_idx >= kv_idx, sm.tanh(score / t) * t, -float("inf"))
+
+    @sm.score_mod(name=name)
+    def scale_then(score, b, h, q_idx, kv_idx, t=2.0):
+        return sm.tanh(score * t) * t
+
+    @sm.score_mod(name=name)
+    def used_twice(score, b, h, q_idx, kv_idx, t=2.0):
+        return sm.tanh(score * t) + score
+
+    @sm.score_mod(name=name)
+    def product_only(score, b, h, q_idx, kv_idx, t=2.0):
+        return score * t
+
+    @sm.score_mod(name=name)
+    def by_length(score, b, h, q_idx, kv_idx):
+        return sm.tanh(score / sm.kv_len())
+
+    @sm.score_mod(name=name)
+    def by_tensor(score, b, h, q_idx, kv_idx, w=sm.TensorParam()):
+        return sm.tanh(score * w[h])
+
+    @sm.score_mod(name=name)
+    def by_constant(score, b, h, q_idx, kv_idx):
+        return sm.tanh(score * 0.5)
+
+    return {"divide_then": divide_then, "scale_then": scale_then, "used_twice": used_twice, "product_only": product_only,
+            "by_length": by_length, "by_tensor": by_tensor(w=torch.rand(H) + 0.5), "by_constant": by_constant}
+
+
+@pytest.mark.parametrize("name,folds", [("divide_then", True), ("scale_then", False), ("used_twice", False),
+                                        ("product_only", False), ("by_length", False), ("by_tensor", False),
+                                        ("by_constant", False)])
+def test_what_folds(name, folds):
+    """Only a score reached solely through one product / quotient with host scalars folds, and only
+    when the mod then binds exactly the same operands: scale_then's plain lowering guards
+    score * t at masked scores (t = 0 would make -inf * t NaN) with a -inf constant its folded
+    form does not need, and by_constant's factor is the constant itself."""
+    mod = _pick(f"fold_{name}")[name]
+    plan = lower_cudnn.scaled_plan_for(mod.root)
+    assert (plan.score_scale is not None) == folds
+    assert (mod.score_scale() != 1.0) == folds
+    check_lowering(mod, B, H, SQ, SKV, scale=0.5, scaled=True)
+
+
+def test_chains_fold_only_their_first_part():
+    first = sm.compose(sm.softcap(4.0), sm.raw_callback(_raw_identity, bprop=_raw_identity))
+    later = sm.compose(sm.raw_callback(_raw_identity, bprop=_raw_identity), sm.softcap(4.0))
+    assert first.score_scale() == pytest.approx(0.25) and later.score_scale() == 1.0
+    for mod in (first, later):
+        g, out, dout, ops, n_fwd = _lower(mod, SQ, SKV, scaled=True)
+        score = torch.randn(B, H, SQ, SKV) * 3
+        got = interpret(out, {"score": score * mod.score_scale(), "dS": score, **ops})
+        assert torch.allclose(got, 4.0 * torch.tanh(score / 4.0), atol=1e-5)
+    assert [t.op for t in _lower(later, SQ, SKV, scaled=True)[0].ops][:3] == ["div", "tanh", "mul"]
+
+
+def test_the_backend_binds_the_folded_factor_and_refuses_a_non_positive_one():
+    from fused_attn.backends.cudnn import lowering as L
+
+    plain = torch.full((1, 1, 1, 1), 0.125)
+    mod = sm.softcap(8.0)
+    low = L.Lowering(None, False, mod, mod, "", {}, None)
+    bound = L.attn_scale(low, mod, 0.125, plain)
+    assert bound.item() == pytest.approx(0.125 / 8.0) and L.attn_scale(low, mod, 0.125, plain) is bound
+    assert L.attn_scale(L.Lowering(None, False, None, None, "", {}, None), mod, 0.125, plain) is plain
+    neg = _pick("fold_negative")["divide_then"](t=-2.0)
+    with pytest.raises(NotImplementedError, match="-0.5.*positive and finite"):
+        L.attn_scale(L.Lowering(None, False, neg, neg, "", {}, None), neg, 0.125, plain)
+    causal = sm.causal()
+    assert L.attn_scale(L.Lowering(None, False, causal, causal, "", {}, None), causal, 0.125, plain) is plain

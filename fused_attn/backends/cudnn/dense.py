@@ -197,14 +197,14 @@ class DenseRunner:
         if backward and self.kv_pad:
             ops = L.mod_operands(self.bwd_lowering, mod, has_lengths=True, device=self.device)
             ops = {f"sm:{k}": t for k, t in ops.items()}
-            ops["attn_scale"] = self.scale
+            ops["attn_scale"] = L.attn_scale(self.bwd_lowering, mod, self.static.scale, self.scale)
             return ops
         memo = self._operand_memo
         if memo is not None and memo[0] is mod and memo[1] is getattr(mod, "_operands", None):
             return dict(memo[2])
         ops = L.mod_operands(self.lowering, mod, has_lengths=self.padding, device=self.device)
         ops = {f"sm:{k}": t for k, t in ops.items()}
-        ops["attn_scale"] = self.scale
+        ops["attn_scale"] = L.attn_scale(self.lowering, mod, self.static.scale, self.scale)
         source = getattr(mod, "_operands", None)
         if source is not None and not getattr(mod, "needs_dims", False):
             # A traced mod caches its operands (scalar inputs and tensor views: in-place tensor

@@ -234,9 +234,11 @@ def _common_kwargs(b: _Builder, score_mod: Any, operand_templates: Dict[str, tor
         if getattr(score_mod, "uses_lengths", False) and seq_q is not None:
             operands["q_len"], operands["kv_len"] = seq_q, seq_kv
         memo: Dict[Any, Any] = {}
-        kw["score_mod"] = lambda g, s: score_mod.lower_forward(g, s, operands, memo)
+        # The callback receives attention scale x score: the runners bind attn_scale x
+        # score_mod.score_scale() (lowering.attn_scale), the factor the scaled lowering folds out.
+        kw["score_mod"] = lambda g, s: score_mod.lower_scaled_forward(g, s, operands, memo)
         if backward:
-            kw["score_mod_bprop"] = lambda g, ds: score_mod.lower_backward(g, ds, operands, memo)
+            kw["score_mod_bprop"] = lambda g, ds: score_mod.lower_scaled_backward(g, ds, operands, memo)
     return kw
 
 

@@ -19,6 +19,7 @@ The backend, not the public API, decides how masks combine with a score_mod:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -28,7 +29,7 @@ from ...memo import BoundedMemo
 from ...problem import Band
 from .graphs import cudnn_band
 
-__all__ = ["Lowering", "plan_lowering", "split", "bias_mode", "mod_operands", "bias_tensor"]
+__all__ = ["Lowering", "plan_lowering", "split", "bias_mode", "mod_operands", "attn_scale", "bias_tensor"]
 
 
 @dataclass
@@ -193,6 +194,34 @@ def mod_operands(lowering: Lowering, mod: Any, has_lengths: bool, device: Any = 
     if lowering.graph_mod.uses_lengths and not has_lengths:
         ops.update(_length_scalars(sq, skv))  # q_len / kv_len of a plain dense problem
     return ops
+
+
+def attn_scale(lowering: Lowering, mod: Any, scale: float, plain: torch.Tensor) -> torch.Tensor:
+    """The pass-by-value attention scale to bind for this call's mod: `plain` ((1, 1, 1, 1) fp32,
+    the softmax scale) times the factor the graph's callback folded out of the mod
+    (`ScoreMod.score_scale`, e.g. 1 / cap for softcap), memoized by value. The fold needs the
+    factor positive and finite (it scales the score that masked positions hold as -inf)."""
+    if lowering.graph_mod is None:
+        return plain
+    if lowering.bias is not None:
+        mod = split(mod)[0]
+    factor = mod.score_scale()
+    if factor == 1.0:
+        return plain
+    if not (factor > 0.0 and math.isfinite(factor)):
+        raise NotImplementedError(
+            f"score_mod {mod.name!r} multiplies the score by {factor!r} before anything else; the cuDNN graph built "
+            "for it folds that factor into the softmax scale, which needs it positive and finite. Use "
+            "backend='reference' for this value")
+    value = float(scale) * factor
+    hit = _SCALES.peek(value)
+    if hit is None:
+        hit = torch.full((1, 1, 1, 1), value, dtype=torch.float32)
+        _SCALES.put(value, hit)
+    return hit
+
+
+_SCALES = BoundedMemo(64, "cudnn.attn_scales")
 
 
 def _length_scalars(sq: int, skv: int) -> Dict[str, torch.Tensor]:

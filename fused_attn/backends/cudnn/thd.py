@@ -86,7 +86,7 @@ class ThdRunner:
     def _operands(self, mod: Any) -> Dict[str, torch.Tensor]:
         ops = L.mod_operands(self.lowering, mod, has_lengths=True, device=self.static.device)
         ops = {f"sm:{k}": t for k, t in ops.items()}
-        ops["attn_scale"] = self.scale
+        ops["attn_scale"] = L.attn_scale(self.lowering, mod, self.static.scale, self.scale)
         return ops
 
     def grad_inputs(self, mod: Any, sinks: Optional[torch.Tensor]) -> tuple:
