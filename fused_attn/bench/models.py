@@ -92,7 +92,13 @@ def build_model(config, attn_implementation: str = "eager", *, dtype: torch.dtyp
 
     torch.manual_seed(seed)
     extra = {}
-    if config.model_type == "gpt_oss":  # grouped_mm has no float64 and no CPU path everywhere
+    if config.model_type == "gpt_oss":
+        # transformers' grouped_mm experts on CUDA (its default): GPU-bound steps, so the attention
+        # implementations compare stably. Measured on H200 with transformers 5.17 (B4 S2048): the
+        # backward of grouped_mm's token gather takes 122 of the step's 170 ms of GPU time; the
+        # per-expert loop ("eager") needs 47 ms of GPU, but its ~140-170 host syncs per step (one
+        # per expert hit) make the step host-bound (wall ~95-120 ms) and the implementations' ratios
+        # swing 0.75x-1.24x between runs. grouped_mm has no float64 / CPU path: eager there.
         extra["experts_implementation"] = "eager" if dtype == torch.float64 or device is None or \
             torch.device(device).type != "cuda" else "grouped_mm"
     with torch.device(device or "cpu"):
