@@ -27,6 +27,7 @@ Rules the H100 engines imposed (benchmarks/results/frontend_probe_h100.md):
   condition is bound as 0/1 and compared with 0.5;
 * every op gets compute type FLOAT and an explicit output type (FLOAT or BOOLEAN).
 Integer values are carried in fp32 in the graph: exact below 2**24 (positions are).
+`cudnn` is imported only when ops are emitted.
 
 The backend's entry point (`scaled_plan_for`, via `ScoreMod.lower_scaled_forward`) folds a
 leading scalar factor out of the mod: when the score enters only as `score * c` or `score / c`
@@ -35,7 +36,6 @@ attention scale and computes the rest, one pointwise op fewer per score in the f
 each backward pass over it (measured on H200, D64: softcap + causal 2-3%, softcap + window 8%
 forward+backward). The fold needs c > 0 and finite at run time (the backend refuses other
 values) and the same operands as the plain plan.
-`cudnn` is imported only when ops are emitted.
 """
 
 from __future__ import annotations
@@ -567,7 +567,7 @@ class Plan:
     """
 
     def __init__(self, root: Node, fold_score_scale: bool = False):
-        #: with fold_score_scale: the scalar DAG c folded out of the mod (`fold_score_scale`), else None
+        #: with fold_score_scale: the scalar DAG c folded out of the mod (`fold_score_scale_of`), else None
         self.score_scale: Optional[Node] = None
         if fold_score_scale:
             folded = fold_score_scale_of(root)
