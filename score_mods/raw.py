@@ -253,25 +253,31 @@ class ChainMod(ScoreMod):
             score = p.eager(score, b, h, q_idx, kv_idx, q_len, kv_len)
         return score
 
-    def lower_forward(self, graph, score, operands, memo, scaled: bool = False):
+    def _forward(self, graph, score, operands, memo, scaled: bool):
         for i, p in enumerate(self.parts):
             lower = p.lower_scaled_forward if scaled and i == 0 else p.lower_forward
             score = lower(graph, score, self._part_operands(i, operands), memo.setdefault(("part", i), {}))
         return score
 
-    def lower_backward(self, graph, dscore, operands, memo, scaled: bool = False):
+    def _backward(self, graph, dscore, operands, memo, scaled: bool):
         for i in reversed(range(len(self.parts))):
             p = self.parts[i]
             lower = p.lower_scaled_backward if scaled and i == 0 else p.lower_backward
             dscore = lower(graph, dscore, self._part_operands(i, operands), memo.setdefault(("part", i), {}))
         return dscore
 
+    def lower_forward(self, graph, score, operands, memo):
+        return self._forward(graph, score, operands, memo, scaled=False)
+
+    def lower_backward(self, graph, dscore, operands, memo):
+        return self._backward(graph, dscore, operands, memo, scaled=False)
+
     def score_scale(self) -> float:
         """Only the first part sees the score itself: its folded factor (later parts see its output)."""
         return self.parts[0].score_scale()
 
     def lower_scaled_forward(self, graph, score, operands, memo):
-        return self.lower_forward(graph, score, operands, memo, scaled=True)
+        return self._forward(graph, score, operands, memo, scaled=True)
 
     def lower_scaled_backward(self, graph, dscore, operands, memo):
-        return self.lower_backward(graph, dscore, operands, memo, scaled=True)
+        return self._backward(graph, dscore, operands, memo, scaled=True)
