@@ -27,7 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .functional import _is_dtensor, run_call
+from .functional import _is_dtensor, run_call, run_spec
 from .memo import BoundedMemo, capturing
 from .plan import Varlen
 from .spec import resolve_spec
@@ -243,6 +243,54 @@ def doc_packed_attn(
         return dtensor.doc_packed_attn(query, key, value, cu_seq, is_causal=is_causal, window_size=window_size,
                                        enable_gqa=enable_gqa, score_mod=score_mod, scale=scale,
                                        max_doc_len=max_doc_len)
+    key_ = _call_key(query, key, value, cu_seq, is_causal, window_size, enable_gqa, score_mod, scale, max_doc_len)
+    if key_ is not None and capturing((query,)):  # the table's checks differ inside capture
+        key_ = None
+    hit = None if key_ is None else _CALLS.get_identity(key_, (cu_seq, score_mod))
+    if hit is None:
+        varlen, mask_type, window = _validated_call(query, key, value, cu_seq, is_causal, window_size, enable_gqa,
+                                                    max_doc_len)
+        if key_ is None:  # torch.compile, CUDA graph capture, other tensor types: the public path
+            out = run_call(_resolve, (mask_type, window, scale), score_mod, _packed(query), _packed(key),
+                           _packed(value), varlen)
+            return out.view(query.shape[0], query.shape[1], out.shape[-2], out.shape[-1])
+        hit = (varlen,) + _resolve((mask_type, window, scale), score_mod)
+        _CALLS.put_identity(key_, (cu_seq, score_mod), hit)
+    varlen, spec, mod = hit
+    out = run_spec(spec, mod, _packed(query), _packed(key), _packed(value), varlen)
+    return out.view(query.shape[0], query.shape[1], out.shape[-2], out.shape[-1])
+
+
+#: Validated doc_packed calls: (Varlen, spec, normalized score_mod) per (boundary table, its
+#: version, q / k / v shapes, device, score_mod, the other arguments; see `_call_key`). The
+#: layers of a model repeat one call's arguments, so only the first runs the checks, derives the
+#: offsets and resolves the spec. An entry keeps its table and score_mod alive (their ids cannot
+#: be reused while cached); an in-place edit of the table bumps its version; calls during CUDA
+#: graph capture (checked here by the query's stream: a CPU table's entry would not see it) or
+#: torch.compile, and calls with other tensor types, are checked in full.
+_CALLS = BoundedMemo(64, "doc_packed.calls")
+
+
+def _call_key(query: object, key: object, value: object, cu_seq: object, is_causal: object, window_size: object,
+              enable_gqa: object, score_mod: object, scale: object, max_doc_len: object) -> Optional[tuple]:
+    """The `_CALLS` key of a call, or None: only plain tensors and arguments of the accepted types
+    (bools, a tuple of two ints, a float or None scale, an int or None max_doc_len) are keyed,
+    so equal keys mean equal arguments (True and 1 never share an entry); other calls, and calls
+    under torch.compile, are checked in full every time (and refused with the reason if bad)."""
+    if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
+            or type(cu_seq) is not torch.Tensor or type(is_causal) is not bool or type(enable_gqa) is not bool
+            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
+            or type(window_size[1]) is not int or (scale is not None and type(scale) is not float)
+            or (max_doc_len is not None and type(max_doc_len) is not int) or torch.compiler.is_compiling()):
+        return None
+    return (id(cu_seq), cu_seq._version, query.shape, key.shape, value.shape, query.device, is_causal, window_size,
+            enable_gqa, id(score_mod), scale, max_doc_len)
+
+
+def _validated_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq: object, is_causal: object,
+                    window_size: object, enable_gqa: object, max_doc_len: object) -> Tuple[Varlen, str, object]:
+    """Every check of a doc_packed call's arguments (TypeError / ValueError naming the bad one)
+    and its (Varlen over the global offsets, mask type, window)."""
     _check_qkv(query, key, value, enable_gqa)
     batch, seq_len = query.shape[0], query.shape[1]
     if max_doc_len is not None and (isinstance(max_doc_len, bool) or not isinstance(max_doc_len, int)
@@ -252,9 +300,7 @@ def doc_packed_attn(
     cu, longest = checked_offsets(cu_seq, batch, seq_len, query.device, max_doc_len)
     if max_doc_len is None:
         max_doc_len = seq_len if longest is None else longest
-    varlen = Varlen(cu, cu, None, None, max_doc_len, max_doc_len)
-    out = run_call(_resolve, (mask_type, window, scale), score_mod, _packed(query), _packed(key), _packed(value), varlen)
-    return out.view(batch, seq_len, out.shape[-2], out.shape[-1])
+    return Varlen(cu, cu, None, None, max_doc_len, max_doc_len), mask_type, window
 
 
 def _resolve(config: tuple, score_mod: object):

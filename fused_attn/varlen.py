@@ -32,7 +32,7 @@ import torch
 
 
 from .doc_packed import doc_packed_attn
-from .functional import run_call
+from .functional import run_call, run_spec
 from .memo import BoundedMemo
 from .plan import Varlen
 from .problem import Band
@@ -165,6 +165,12 @@ def varlen_attn(
             "varlen_attn: cu_seq_k=None is only meaningful with a paged KV cache (block_table), "
             "which is not supported; pass the (N+1,) int32 key offsets"
         )
+    key_ = _call_key(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux, scale, window_size,
+                     enable_gqa, score_mod)
+    hit = None if key_ is None else _CALLS.get_identity(key_, (score_mod,))
+    if hit is not None:
+        spec, mod = hit
+        return run_spec(spec, mod, query, key, value, Varlen(cu_seq_q, cu_seq_k, None, None, max_q, max_k))
     if return_aux is not None and not isinstance(getattr(return_aux, "lse", None), bool):
         raise TypeError(f"return_aux must be None or AuxRequest(lse=...), got {return_aux!r}")
     _check_heads(query, key, value, enable_gqa)
@@ -177,7 +183,40 @@ def varlen_attn(
     want_lse = bool(return_aux is not None and return_aux.lse)
     varlen = Varlen(cu_seq_q, cu_seq_k, None, None, max_q, max_k)
     config = (left, right, cu_seq_q is cu_seq_k, scale, want_lse)
-    return run_call(_resolve, config, score_mod, query, key, value, varlen)
+    if key_ is None:  # torch.compile, DTensor and other tensor types: the public path's own handling
+        return run_call(_resolve, config, score_mod, query, key, value, varlen)
+    spec, mod = _resolve(config, score_mod)
+    _CALLS.put_identity(key_, (score_mod,), (spec, mod))
+    return run_spec(spec, mod, query, key, value, varlen)
+
+
+#: Checked varlen_attn calls: (spec, normalized score_mod) per (q / k / v shapes, max lengths,
+#: window, scale, lse request, whether q and k share one cu_seqlens tensor, score_mod). The
+#: layers of a model repeat one call's arguments, so only the first runs the argument checks
+#: and resolves the spec (cu_seqlens values are checked on the device by every call). An entry
+#: keeps its score_mod alive (its id cannot be reused while cached).
+_CALLS = BoundedMemo(64, "varlen.calls")
+
+
+def _call_key(query: object, key: object, value: object, cu_seq_q: object, cu_seq_k: object, max_q: object,
+              max_k: object, return_aux: object, scale: object, window_size: object, enable_gqa: object,
+              score_mod: object) -> Optional[tuple]:
+    """The `_CALLS` key of a call, or None: only plain tensors and arguments of the accepted types
+    (int max lengths, None or an AuxRequest, a float or None scale, a tuple of two ints, a bool)
+    are keyed, so equal keys mean equal arguments; other calls, and calls under torch.compile,
+    are checked in full every time (and refused with the reason if bad)."""
+    if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
+            or type(cu_seq_q) is not torch.Tensor or type(cu_seq_k) is not torch.Tensor or type(max_q) is not int
+            or type(max_k) is not int or (return_aux is not None and type(return_aux) is not AuxRequest)
+            or (scale is not None and type(scale) is not float) or type(window_size) is not tuple
+            or len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int
+            or type(enable_gqa) is not bool or torch.compiler.is_compiling()):
+        return None
+    want_lse = None if return_aux is None else return_aux.lse
+    if want_lse is not None and type(want_lse) is not bool:
+        return None
+    return (query.shape, key.shape, value.shape, max_q, max_k, want_lse, scale, window_size, enable_gqa,
+            cu_seq_q is cu_seq_k, id(score_mod))
 
 
 def varlen_attn_out(

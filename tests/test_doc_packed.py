@@ -136,8 +136,8 @@ def test_a_host_table_sizes_the_graph_by_its_longest_document(monkeypatch, max_d
     from fused_attn import doc_packed as dp
 
     seen = []
-    real = dp.run_call
-    monkeypatch.setattr(dp, "run_call", lambda *a: (seen.append(a[-1]), real(*a))[1])
+    real = dp.run_spec
+    monkeypatch.setattr(dp, "run_spec", lambda *a: (seen.append(a[-1]), real(*a))[1])
     q, k, v = make(b=3, s=12)
     cu = torch.tensor([[0, 5, 6, 12], [0, 6, 12, 12], [0, 1, 2, 12]], dtype=torch.int32)  # longest: 10
     out = doc_packed_attn(q, k, v, cu, is_causal=True, max_doc_len=max_doc_len)
@@ -184,3 +184,33 @@ def test_boundary_table_is_checked_once_per_table_and_version(monkeypatch):
     cu_seq[0, 1] = 5
     torch.testing.assert_close(doc_packed_attn(q, k, v, cu_seq), naive_docs(q, k, v, cu_seq))
     assert len(calls) == 3
+
+
+def test_argument_checks_run_once_per_call_configuration(monkeypatch):
+    """A model's layers repeat one call: its argument checks run once per (table, shapes,
+    arguments); a value equal to a cached one but of another type is still refused."""
+    from fused_attn import doc_packed as dp
+
+    calls = []
+    real = dp._check_qkv
+    monkeypatch.setattr(dp, "_check_qkv", lambda *a: (calls.append(1), real(*a))[1])
+    q, k, v = make(b=2, s=8)
+    cu_seq = torch.tensor([[0, 3, 8], [0, 8, 8]], dtype=torch.int32)
+    first = doc_packed_attn(q, k, v, cu_seq, is_causal=True, window_size=(1, 0), max_doc_len=8)
+    again = doc_packed_attn(q, k, v, cu_seq, is_causal=True, window_size=(1, 0), max_doc_len=8)
+    assert len(calls) == 1 and torch.equal(first, again)
+    torch.testing.assert_close(first, naive_docs(q, k, v, cu_seq, is_causal=True, window_size=(1, 0)))
+    q2, k2, v2 = make(b=2, s=8, h=2, hkv=2)  # other shapes: checked again
+    doc_packed_attn(q2, k2, v2, cu_seq, is_causal=True, window_size=(1, 0), max_doc_len=8)
+    assert len(calls) == 2
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        doc_packed_attn(q, k, v, cu_seq, is_causal=1, window_size=(1, 0), max_doc_len=8)
+    with pytest.raises(TypeError, match="window_size left must be an int"):
+        doc_packed_attn(q, k, v, cu_seq, is_causal=True, window_size=(True, 0), max_doc_len=8)
+    with pytest.raises(ValueError, match="max_doc_len must be None or an int"):
+        doc_packed_attn(q, k, v, cu_seq, is_causal=True, window_size=(1, 0), max_doc_len=8.0)
+    doc_packed_attn(q, k, v, cu_seq)
+    with pytest.raises(TypeError, match="enable_gqa must be a bool"):
+        doc_packed_attn(q, k, v, cu_seq, enable_gqa=0)
+    with pytest.raises(ValueError, match="is_causal=True allows window_size right of -1 or 0"):
+        doc_packed_attn(q, k, v, cu_seq, is_causal=True, window_size=[2, 2])  # a list: checked every call

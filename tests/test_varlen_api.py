@@ -241,6 +241,34 @@ def test_shape_and_max_errors():
         varlen_attn(q, k, v, [0, 4, 10], cu_k, 6, 6, enable_gqa=True)
 
 
+def test_argument_checks_run_once_per_call_configuration(monkeypatch):
+    """A model's layers repeat one call: its argument checks run once per configuration (shapes,
+    max lengths, window, scale, lse, score_mod); values equal to cached ones but of other types
+    are still refused, and new cu_seqlens tensors need no new check (their values are checked
+    per call)."""
+    from fused_attn import varlen as vl
+
+    calls = []
+    real = vl._check_heads
+    monkeypatch.setattr(vl, "_check_heads", lambda *a: (calls.append(1), real(*a))[1])
+    q, k, v, cu_q, cu_k = make([4, 6], [5, 6])
+    first = varlen_attn(q, k, v, cu_q, cu_k, 6, 6, window_size=(2, 0), scale=0.3)
+    again = varlen_attn(q, k, v, cu_q.clone(), cu_k.clone(), 6, 6, window_size=(2, 0), scale=0.3)
+    assert len(calls) == 1 and torch.equal(first, again)
+    close(first, naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(2, 0), scale=0.3)[0],
+          tol_vs_f64(q, k, v, cu_q, cu_k, window=(2, 0), scale=0.3)[0])
+    varlen_attn(q, k, v, cu_q, cu_k, 6, 6, window_size=(2, 0), scale=0.3, return_aux=AuxRequest(lse=True))
+    assert len(calls) == 2  # another configuration
+    with pytest.raises(TypeError, match="max_q must be an int, got True"):
+        varlen_attn(q, k, v, cu_q, cu_k, True, 6, window_size=(2, 0), scale=0.3)
+    with pytest.raises(TypeError, match="window_size left must be an int"):
+        varlen_attn(q, k, v, cu_q, cu_k, 6, 6, window_size=(2.0, 0), scale=0.3)
+    with pytest.raises(TypeError, match="enable_gqa must be a bool"):
+        varlen_attn(q, k, v, cu_q, cu_k, 6, 6, enable_gqa=0)
+    with pytest.raises(ValueError, match="max_q must be >= 0, got -1"):
+        varlen_attn(q, k, v, cu_q, cu_k, -1, 6)
+
+
 # ----------------------------------------------------------------------------- varlen_attn_out
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 1)])

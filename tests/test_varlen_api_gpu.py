@@ -149,8 +149,8 @@ def test_doc_packed_with_a_host_table_runs_a_graph_sized_by_the_longest_document
     from fused_attn.testing import assert_close, grad_tolerances, reference_attention, tolerance
 
     seen = []
-    real = dp.run_call
-    monkeypatch.setattr(dp, "run_call", lambda *a: (seen.append(a[-1]), real(*a))[1])
+    real = dp.run_spec
+    monkeypatch.setattr(dp, "run_spec", lambda *a: (seen.append(a[-1]), real(*a))[1])
     b, s, h, d = 2, 1024, 4, 64
     table = torch.tensor([[0, 100, 164, 400, 1024], [0, 300, 600, 900, 1024]], dtype=torch.int32)  # longest 624
     gen = torch.Generator(device="cuda").manual_seed(7)

@@ -101,8 +101,7 @@ class ThdRunner:
 
     def _bind(self, q, k, v, varlen, mod, sinks, rng=None):
         """(q, k, v as bound, the input bindings, the prepared batch) of a call."""
-        for name, t in (("query", q), ("key", k), ("value", v)):
-            VL.check_offset_range(name, t.shape[0], t.shape[1], t.shape[2])
+        VL.check_offset_ranges(q, k, v)
         if self.copy_inputs:
             q, k, v = check_runtime_tensors("thd", q, k, v)
         thd = VL.prepare(self.layout, varlen, (q.shape[0], k.shape[0]), (varlen.max_seqlen_q, varlen.max_seqlen_kv))
@@ -136,9 +135,10 @@ class ThdRunner:
 
     def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None):
         (q, k, v), bind, thd = self._bind(q, k, v, varlen, mod, sinks, rng)
-        alloc = torch.zeros if self.gaps_q else torch.empty  # tokens between sequences stay 0
-        out = alloc((q.shape[0], self.heads, self.head_dim_v), dtype=q.dtype, device=q.device)
-        stats = torch.empty(self.stats_shape, dtype=torch.float32, device=q.device)
+        # new_empty / new_zeros: the query's dtype and device without parsing them per call
+        shape = (q.shape[0], self.heads, self.head_dim_v)
+        out = q.new_zeros(shape) if self.gaps_q else q.new_empty(shape)  # tokens between sequences stay 0
+        stats = q.new_empty(self.stats_shape, dtype=torch.float32)
         bind["o"], bind["stats"] = out, stats
         self.graphs.run("fwd", bind)
         del bind["o"], bind["stats"]  # no reference cycle through the output (see DenseRunner.forward)
@@ -154,8 +154,7 @@ class ThdRunner:
         bind_fwd, thd, has_sinks = state
         q, k, v, out, stats = saved[:5]
         d_o = grad_output(grad_out, out)
-        alloc = torch.zeros if self.gaps else torch.empty
-        grads = [alloc(tuple(t.shape), dtype=t.dtype, device=t.device) for t in (q, k, v)]
+        grads = [t.new_zeros(t.shape) if self.gaps else t.new_empty(t.shape) for t in (q, k, v)]
         bind = dict(bind_fwd)
         if not self.sink_in_bwd:
             bind.pop("sink", None)

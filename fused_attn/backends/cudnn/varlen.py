@@ -25,7 +25,7 @@ from ...validation import within
 from . import thd_kernel
 
 __all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "prepare_unchecked", "gather_lse",
-           "check_offset_range", "scatter_lse", "MIN_SEQ_BUCKET", "INVALID_CU_SEQLENS"]
+           "check_offset_range", "check_offset_ranges", "scatter_lse", "MIN_SEQ_BUCKET", "INVALID_CU_SEQLENS"]
 
 MIN_SEQ_BUCKET = 128  # cuDNN's key tiles are 128 wide; 64 would also be a key length 64 mod 128 (see DESIGN)
 _INT32_MAX = 2**31 - 1
@@ -105,6 +105,14 @@ def check_offset_range(name: str, tokens: int, heads: int, dim: int) -> None:
         )
 
 
+def check_offset_ranges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`check_offset_range` of packed (T, H, D) query, key and value: three numel reads per call,
+    the named refusal only when one is too large."""
+    if q.numel() > _INT32_MAX or k.numel() > _INT32_MAX or v.numel() > _INT32_MAX:
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            check_offset_range(name, t.shape[0], t.shape[1], t.shape[2])
+
+
 _PREPARED = BoundedMemo(32, "cudnn.thd_prepare")
 
 
@@ -116,9 +124,13 @@ def prepare(layout: ThdLayout, varlen, tokens: Tuple[int, int], limits: Tuple[in
     """The bound tensors of a packed call (see the module docstring); checks cu_seqlens values
     with one asynchronous device assertion (start 0, non-decreasing, end at the token count,
     padded slots hold their sequence, lengths <= max_seqlen). Memoized per (tensors, versions)."""
-    sources = (varlen.cu_seqlens_q, varlen.cu_seqlens_kv, varlen.cu_seqlens_q_padded, varlen.cu_seqlens_kv_padded)
-    key = tuple(_identity(t) for t in sources) + (tokens, limits, layout.batch_bucket, layout.q_mults,
-                                                  layout.kv_mults)
+    cu_q, cu_kv, pad_q, pad_kv = sources = varlen[:4]
+    if pad_q is None and pad_kv is None:  # the common case, without a generator over four sources
+        key = (id(cu_q), cu_q._version, id(cu_kv), cu_kv._version, tokens, limits, layout.batch_bucket,
+               layout.q_mults, layout.kv_mults)
+    else:
+        key = tuple(_identity(t) for t in sources) + (tokens, limits, layout.batch_bucket, layout.q_mults,
+                                                      layout.kv_mults)
     thd = _PREPARED.get_identity(key, sources)
     if thd is None:
         thd = _prepare(layout, *sources, tokens, limits)
