@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from fused_attn.bench import cpu_smoke, dense, host, main
-from fused_attn.bench.common import (Group, Impl, ImplWrongError, attn_flops, check_impl, gpu_slug, naive_attention,
-                                     reference_and_bounds, varlen_flops)
+from fused_attn.bench.common import (Group, Impl, ImplWrongError, attn_flops, check_impl, gpu_slug,
+                                     host_us_launching, naive_attention, reference_and_bounds, varlen_flops)
 from fused_attn.bench.runner import run_config
 from fused_attn.testing import bound_from, max_error
 from fused_attn.bench.varlen import _doc_bounds, cu_seqlens, random_lengths
@@ -293,3 +293,21 @@ def _has_transformers() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_split_times_sit_next_to_ms_and_ratios_stay_on_ms():
+    """gpu_ms / host_us (the split a suite may measure) follow ms; the peer ratios use ms alone."""
+    g = Group("s", "c", "fwd", flops=2e9)
+    g.add("a", 2.0, 1e-3, split={"gpu_ms": 1.5, "host_us": 40.0})
+    g.add("b", 4.0, 1e-3, split={"gpu_ms": 1.0, "host_us": 900.0})
+    rows = g.finish()
+    assert list(rows[0])[:7] == ["suite", "config", "mode", "impl", "ms", "gpu_ms", "host_us"]
+    assert rows[0]["x_vs_b"] == 2.0 and rows[1]["x_vs_a"] == 0.5
+    assert rows[0]["tflops"] == pytest.approx(1.0)
+
+
+def test_host_us_launching_times_the_calls_themselves():
+    import time
+
+    us = host_us_launching(lambda: time.sleep(0.002), torch.device("cpu"), calls=5, rounds=2)
+    assert 2000.0 <= us < 50000.0

@@ -144,6 +144,37 @@ def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int 
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def host_us_launching(fn: Callable[[], object], device: torch.device, calls: int = 40, rounds: int = 3) -> float:
+    """Host microseconds per call while the GPU works behind it: `calls` back-to-back calls timed
+    up to the return of the last one (before synchronizing), best of `rounds`; few enough calls
+    that their launches do not fill the device queue (which would make the host wait)."""
+    best = float("inf")
+    for _ in range(rounds):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        synchronize(device)
+    return best
+
+
+def device_ms_per_call(fn: Callable[[], object], device: torch.device, calls: int = 10) -> float:
+    """Device milliseconds per call: the summed duration of every kernel, copy and fill the call
+    runs on the GPU (torch.profiler over `calls` calls after one warm call), gaps excluded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+    total_us = sum(evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+                   for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / 1e3 / calls
+
+
 def host_us_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, calls: int = 2000,
                         rounds: int = 5) -> Dict[str, float]:
     """Host microseconds per call of each of `fns`, best of `rounds` interleaved rounds (each round
@@ -311,11 +342,16 @@ class Group:
     rows: List[Dict[str, object]] = field(default_factory=list)
 
     def add(self, impl: str, ms: Optional[float], max_err: Optional[float], note: str = "", *,
-            bound: Optional[float] = None, worst: Optional[str] = None) -> None:
+            bound: Optional[float] = None, worst: Optional[str] = None,
+            split: Optional[Dict[str, Optional[float]]] = None) -> None:
         """One row; max_err: absolute error vs the float64 reference, bound: its bound, worst:
-        the checked quantity they belong to."""
+        the checked quantity they belong to; split: {"gpu_ms": device time per call, "host_us":
+        host time per call} placed after ms, when the suite measures them."""
         row: Dict[str, object] = {"suite": self.suite, "config": self.config, "mode": self.mode,
-                                  "impl": impl, "ms": ms, "tflops": None, "pct_peak": None}
+                                  "impl": impl, "ms": ms}
+        if split is not None:
+            row.update(split)
+        row["tflops"] = row["pct_peak"] = None
         if ms is not None and self.flops:
             tflops = self.flops / (ms * 1e-3) / 1e12
             row["tflops"], row["pct_peak"] = tflops, 100.0 * tflops / H100_BF16_PEAK_TFLOPS
@@ -387,7 +423,11 @@ def write_results(suite: str, rows: Sequence[Dict[str, object]], env: Dict[str, 
             writer.writerow({c: ("" if row.get(c) is None else row.get(c)) for c in cols})
     with open(base + ".md", "w") as f:
         f.write(f"# {suite} benchmark\n\n{env_line(env)}\n\n")
-        f.write(f"ms: median per call; tflops over real work; pct_peak: % of {H100_BF16_PEAK_TFLOPS:g} TFLOP/s "
+        split = any("gpu_ms" in row for row in rows)
+        f.write(f"ms: median per call (back-to-back calls: the slower of host and GPU sets it); "
+                + ("gpu_ms: device time per call (kernels, copies, fills; torch.profiler); host_us: host time per "
+                   "call while the GPU works behind; " if split else "")
+                + f"tflops over real work; pct_peak: % of {H100_BF16_PEAK_TFLOPS:g} TFLOP/s "
                 "(H100 bf16 matmul, measured); x_vs_P: P's ms / this ms (above 1 = faster than P); "
                 f"{CHECK_RULE}.\n\n")
         for note in notes:

@@ -7,7 +7,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .common import Group, Impl, ImplWrongError, check_impl, time_ms, worst_error
+from .common import (Group, Impl, ImplWrongError, check_impl, device_ms_per_call, host_us_launching, time_ms,
+                     worst_error)
 
 
 @dataclass
@@ -27,7 +28,7 @@ class SuiteResult:
 def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[str, torch.Tensor],
                bounds: Dict[str, float], select: Callable[[str, torch.Tensor], torch.Tensor],
                flops: Dict[str, Optional[float]], device: torch.device, *, modes: Sequence[str] = ("fwd", "fwd_bwd"),
-               rep_ms: float = 100.0) -> SuiteResult:
+               rep_ms: float = 100.0, split_times: bool = False) -> SuiteResult:
     """Check every impl against the float64 `expected` values (max abs error within `bounds`, see
     `common.reference_and_bounds`), then time the impls that passed in each mode.
 
@@ -36,6 +37,10 @@ def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[st
     `failures` and the impl is not timed; a crashing peer gets a row with its error in `note`.
     Rows (in impl order, with peer ratios) carry max_err, bound and worst: for fwd the output's,
     for fwd_bwd those of the checked quantity closest to its bound.
+
+    split_times (CUDA): each row also gets gpu_ms (the device time of one call: kernels, copies
+    and fills, torch.profiler) and host_us (host time per call while the GPU works behind), so a
+    row whose ms is set by the host rather than the GPU shows it.
     """
     result = SuiteResult()
     groups = {m: Group(suite, config, m, flops.get(m)) for m in modes}
@@ -56,13 +61,18 @@ def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[st
     for impl, errs, bad in checked:
         for mode, g in groups.items():
             fn = impl.fwd if mode == "fwd" else impl.fwd_bwd
+            empty = {"gpu_ms": None, "host_us": None} if split_times and device.type == "cuda" else None
             if bad is not None:
-                g.add(impl.name, None, **bad)
+                g.add(impl.name, None, **bad, split=empty)
             elif fn is None:
-                g.add(impl.name, None, None, note="no backward")
+                g.add(impl.name, None, None, note="no backward", split=empty)
             else:
                 key, err, bound = worst_error(errs, bounds, ["out"] if mode == "fwd" else None)
-                g.add(impl.name, time_ms(fn, device, rep_ms=rep_ms), err, note=impl.note, bound=bound, worst=key)
+                split = None
+                if split_times and device.type == "cuda":
+                    split = {"gpu_ms": device_ms_per_call(fn, device), "host_us": host_us_launching(fn, device)}
+                g.add(impl.name, time_ms(fn, device, rep_ms=rep_ms), err, note=impl.note, bound=bound, worst=key,
+                      split=split)
     for g in groups.values():
         result.rows += g.finish()
     return result

@@ -121,7 +121,7 @@ def run_varlen_config(lengths: Sequence[int], h: int, d: int, causal: bool, devi
     flops = {m: varlen_flops(lengths, h, d, causal=causal, mode=m) for m in ("fwd", "fwd_bwd")}
     config = f"varlen N{len(lengths)} max{max(lengths)} T{sum(lengths)} H{h} D{d}" + (" causal" if causal else "")
     return run_config("varlen", config, _varlen_impls(q, k, v, do, lengths, causal, device), expected, bounds,
-                      lambda key, t: t, flops, device, rep_ms=40.0 if quick else 80.0)
+                      lambda key, t: t, flops, device, rep_ms=40.0 if quick else 80.0, split_times=True)
 
 
 def _doc_bounds(b: int, s: int, docs: int, seed: int) -> torch.Tensor:
@@ -185,7 +185,7 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
     flops = {m: varlen_flops(lengths, h, d, causal=causal, mode=m) for m in ("fwd", "fwd_bwd")}
     config = f"doc_packed B{b} S{s} docs{docs} H{h} D{d}" + (" causal" if causal else "")
     return run_config("varlen", config, impls, expected, bounds, lambda key, t: t, flops, device,
-                      rep_ms=40.0 if quick else 80.0)
+                      rep_ms=40.0 if quick else 80.0, split_times=True)
 
 
 def run_chunked_prefill(device, quick: bool, *, n: int = N, chunk: int = 512, max_cached: int = 3072, h: int = H,
@@ -239,7 +239,7 @@ def run_chunked_prefill(device, quick: bool, *, n: int = N, chunk: int = 512, ma
     flops = {"fwd": 4.0 * h * d * pairs, "fwd_bwd": 4.0 * h * d * pairs * 3.5}
     config = f"chunked prefill N{n} chunk{chunk} kv{min(lens_k)}-{max(lens_k)} H{h} D{d} softcap{cap:g}"
     return run_config("varlen", config, impls, expected, bounds, lambda key, t: t, flops, device,
-                      rep_ms=40.0 if quick else 80.0)
+                      rep_ms=40.0 if quick else 80.0, split_times=True)
 
 
 def run_training_loop(device, steps: int, *, n: int = N, max_len: int = MAX_LEN, h: int = H, d: int = 64,
