@@ -38,9 +38,10 @@ def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[st
     Rows (in impl order, with peer ratios) carry max_err, bound and worst: for fwd the output's,
     for fwd_bwd those of the checked quantity closest to its bound.
 
-    split_times (CUDA): each row also gets gpu_ms (the device time of one call: kernels, copies
-    and fills, torch.profiler) and host_us (host time per call while the GPU works behind), so a
-    row whose ms is set by the host rather than the GPU shows it.
+    split_times (CUDA): each row also gets gpu_ms (the device time of one call with the host
+    ahead: kernels, copies, fills and the gaps between them) and host_us (host time per call while
+    the GPU works behind), both measured after ms, so a row whose ms is set by the host rather
+    than the GPU shows it.
     """
     result = SuiteResult()
     groups = {m: Group(suite, config, m, flops.get(m)) for m in modes}
@@ -68,11 +69,11 @@ def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[st
                 g.add(impl.name, None, None, note="no backward", split=empty)
             else:
                 key, err, bound = worst_error(errs, bounds, ["out"] if mode == "fwd" else None)
-                split = None
+                ms, split = time_ms(fn, device, rep_ms=rep_ms), None
                 if split_times and device.type == "cuda":
-                    split = {"gpu_ms": device_ms_per_call(fn, device), "host_us": host_us_launching(fn, device)}
-                g.add(impl.name, time_ms(fn, device, rep_ms=rep_ms), err, note=impl.note, bound=bound, worst=key,
-                      split=split)
+                    host_us = host_us_launching(fn, device)
+                    split = {"gpu_ms": device_ms_per_call(fn, device, host_us), "host_us": host_us}
+                g.add(impl.name, ms, err, note=impl.note, bound=bound, worst=key, split=split)
     for g in groups.values():
         result.rows += g.finish()
     return result
