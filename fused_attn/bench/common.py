@@ -164,8 +164,9 @@ def device_ms_per_call(fn: Callable[[], object], device: torch.device, host_us: 
     """Device milliseconds per call with the host ahead of the GPU: a sleep kernel holds the
     stream while `calls` calls are queued behind it, and CUDA events around the queued calls time
     the GPU alone (the call's kernels, copies and fills and the gaps between them), best of
-    `rounds`. host_us: the call's host time (sizes the sleep). No profiler: in one H200 run,
-    rows timed after torch.profiler passes in the same process ran up to 2x slower on the host."""
+    `rounds`. host_us: the call's host time (sizes the sleep). No profiler: torch's profiler
+    leaves CUPTI attached to the process after a pass (pytorch/pytorch#144455), and in one H200
+    run the rows timed after such passes ran up to 2x slower on the host."""
     cycles_per_ms = _sleep_cycles_per_ms()
     best = float("inf")
     for _ in range(rounds):
