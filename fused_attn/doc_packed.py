@@ -31,7 +31,7 @@ from .functional import _is_dtensor, run_call, run_spec
 from .memo import BoundedMemo, capturing
 from .plan import Varlen
 from .spec import resolve_spec
-from .validation import check_window
+from .validation import check_window, keyable_call
 
 __all__ = ["doc_packed_attn", "doc_cu_seqlens", "check_doc_boundaries"]
 
@@ -273,15 +273,11 @@ _CALLS = BoundedMemo(64, "doc_packed.calls")
 
 def _call_key(query: object, key: object, value: object, cu_seq: object, is_causal: object, window_size: object,
               enable_gqa: object, score_mod: object, scale: object, max_doc_len: object) -> Optional[tuple]:
-    """The `_CALLS` key of a call, or None: only plain tensors and arguments of the accepted types
-    (bools, a tuple of two ints, a float or None scale, an int or None max_doc_len) are keyed,
-    so equal keys mean equal arguments (True and 1 never share an entry); other calls, and calls
-    under torch.compile, are checked in full every time (and refused with the reason if bad)."""
-    if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
-            or type(cu_seq) is not torch.Tensor or type(is_causal) is not bool or type(enable_gqa) is not bool
-            or type(window_size) is not tuple or len(window_size) != 2 or type(window_size[0]) is not int
-            or type(window_size[1]) is not int or (scale is not None and type(scale) is not float)
-            or (max_doc_len is not None and type(max_doc_len) is not int) or torch.compiler.is_compiling()):
+    """The `_CALLS` key of a call, or None: only calls `keyable_call` accepts, with bool flags and
+    an int or None max_doc_len, are keyed (so True and 1 never share an entry)."""
+    if (type(is_causal) is not bool or type(enable_gqa) is not bool
+            or (max_doc_len is not None and type(max_doc_len) is not int)
+            or not keyable_call((query, key, value, cu_seq), window_size, scale)):
         return None
     return (id(cu_seq), cu_seq._version, query.shape, key.shape, value.shape, query.device, is_causal, window_size,
             enable_gqa, id(score_mod), scale, max_doc_len)

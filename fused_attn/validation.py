@@ -50,6 +50,16 @@ def check_window(window_size: Any) -> Optional[Tuple[int, int]]:
     return int(window_size[0]), int(window_size[1])
 
 
+def keyable_call(tensors: Tuple[Any, ...], window_size: Any, scale: Any) -> bool:
+    """Whether a packed call's arguments can key a memo of its checked configuration: plain
+    torch.Tensors, a window of exactly two ints, a float or None scale, outside torch.compile
+    (so equal keys mean equal arguments: True / 1 / 1.0 never meet). Other calls are checked in
+    full every time, and refused with the reason if bad."""
+    return (all(type(t) is torch.Tensor for t in tensors) and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int
+            and (scale is None or type(scale) is float) and not torch.compiler.is_compiling())
+
+
 def resolve_band(attn_mask_type: str, window: Optional[Tuple[int, int]]) -> Optional[Band]:
     """The Band for a mask type and window (None: every key allowed)."""
     bottom_right = attn_mask_type == "causal_bottom_right"

@@ -37,7 +37,7 @@ from .memo import BoundedMemo
 from .plan import Varlen
 from .problem import Band
 from .spec import AttentionSpec, resolve_spec
-from .validation import check_window
+from .validation import check_window, keyable_call
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out", "doc_packed_attn"]
 
@@ -201,16 +201,12 @@ _CALLS = BoundedMemo(64, "varlen.calls")
 def _call_key(query: object, key: object, value: object, cu_seq_q: object, cu_seq_k: object, max_q: object,
               max_k: object, return_aux: object, scale: object, window_size: object, enable_gqa: object,
               score_mod: object) -> Optional[tuple]:
-    """The `_CALLS` key of a call, or None: only plain tensors and arguments of the accepted types
-    (int max lengths, None or an AuxRequest, a float or None scale, a tuple of two ints, a bool)
-    are keyed, so equal keys mean equal arguments; other calls, and calls under torch.compile,
-    are checked in full every time (and refused with the reason if bad)."""
-    if (type(query) is not torch.Tensor or type(key) is not torch.Tensor or type(value) is not torch.Tensor
-            or type(cu_seq_q) is not torch.Tensor or type(cu_seq_k) is not torch.Tensor or type(max_q) is not int
-            or type(max_k) is not int or (return_aux is not None and type(return_aux) is not AuxRequest)
-            or (scale is not None and type(scale) is not float) or type(window_size) is not tuple
-            or len(window_size) != 2 or type(window_size[0]) is not int or type(window_size[1]) is not int
-            or type(enable_gqa) is not bool or torch.compiler.is_compiling()):
+    """The `_CALLS` key of a call, or None: only calls `keyable_call` accepts, with int max
+    lengths, None or an AuxRequest and a bool enable_gqa, are keyed (equal keys mean equal
+    arguments)."""
+    if (type(max_q) is not int or type(max_k) is not int or type(enable_gqa) is not bool
+            or (return_aux is not None and type(return_aux) is not AuxRequest)
+            or not keyable_call((query, key, value, cu_seq_q, cu_seq_k), window_size, scale)):
         return None
     want_lse = None if return_aux is None else return_aux.lse
     if want_lse is not None and type(want_lse) is not bool:

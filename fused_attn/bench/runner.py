@@ -59,10 +59,11 @@ def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[st
             note = ("FAILED: " if impl.required else "unsupported: ") + msg
             checked.append((impl, {}, dict(max_err=None, note=note)))
     expected.clear()  # free the reference before timing
+    split_here = split_times and device.type == "cuda"
+    empty = {"gpu_ms": None, "host_us": None} if split_here else None
     for impl, errs, bad in checked:
         for mode, g in groups.items():
             fn = impl.fwd if mode == "fwd" else impl.fwd_bwd
-            empty = {"gpu_ms": None, "host_us": None} if split_times and device.type == "cuda" else None
             if bad is not None:
                 g.add(impl.name, None, **bad, split=empty)
             elif fn is None:
@@ -70,7 +71,7 @@ def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[st
             else:
                 key, err, bound = worst_error(errs, bounds, ["out"] if mode == "fwd" else None)
                 ms, split = time_ms(fn, device, rep_ms=rep_ms), None
-                if split_times and device.type == "cuda":
+                if split_here:
                     host_us = host_us_launching(fn, device)
                     split = {"gpu_ms": device_ms_per_call(fn, device, host_us), "host_us": host_us}
                 g.add(impl.name, ms, err, note=impl.note, bound=bound, worst=key, split=split)
