@@ -311,3 +311,53 @@ def test_host_us_launching_times_the_calls_themselves():
 
     us = host_us_launching(lambda: time.sleep(0.002), torch.device("cpu"), calls=5, rounds=2)
     assert 2000.0 <= us < 50000.0
+
+
+def test_profiler_passes_run_after_every_suite_is_timed(tmp_path, monkeypatch):
+    """torch.profiler leaves CUPTI attached after a pass: main() runs the deferred passes only
+    once every suite's timings are taken, then writes the rows they filled."""
+    import fused_attn.bench as bench
+    from fused_attn.bench.runner import SuiteResult
+
+    events = []
+
+    def suite(name):
+        def run(quick, device):
+            events.append(f"{name} timed")
+            result = SuiteResult()
+            row = {"suite": name, "config": "c", "impl": "fused_attn", "ms": 1.0, "gpu_ms": None}
+            result.rows.append(row)
+
+            def fill():
+                events.append(f"{name} profiled")
+                row["gpu_ms"] = 0.5
+
+            result.defer_profile(f"{name} pass", fill)
+            if name == "varlen":
+                result.defer_profile("broken pass", lambda: 1 / 0)
+            return result
+        return run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "environment", lambda device: {"gpu": "NVIDIA H200", "torch": torch.__version__})
+    monkeypatch.setattr(bench, "_suite_runner", suite)
+    monkeypatch.setattr(bench, "SUITES", ("dense", "varlen"))
+    assert main(["bench", "all", "--out", str(tmp_path)]) == 1  # the broken pass is a failure
+    assert events == ["dense timed", "varlen timed", "dense profiled", "varlen profiled"]
+    for name in ("dense", "varlen"):
+        _, rows = _read_csv(tmp_path / f"{name}_h200.csv")
+        assert [r["gpu_ms"] for r in rows] == ["0.5"]
+
+
+def test_a_suite_result_merges_and_runs_its_profiler_passes_once():
+    from fused_attn.bench.runner import SuiteResult
+
+    seen = []
+    a, b = SuiteResult(), SuiteResult()
+    a.defer_profile("a", lambda: seen.append("a"))
+    b.defer_profile("b", lambda: seen.append("b"))
+    a.extend(b)
+    a.run_profiled()
+    a.run_profiled()
+    assert seen == ["a", "b"] and a.profiled == [] and a.failures == []

@@ -442,7 +442,7 @@ def write_results(suite: str, rows: Sequence[Dict[str, object]], env: Dict[str, 
             writer.writerow({c: ("" if row.get(c) is None else row.get(c)) for c in cols})
     with open(base + ".md", "w") as f:
         f.write(f"# {suite} benchmark\n\n{env_line(env)}\n\n")
-        split = any("gpu_ms" in row for row in rows)
+        split = any("gpu_ms" in row and "host_us" in row for row in rows)  # run_config(split_times=True)
         f.write(f"ms: median per call (back-to-back calls: the slower of host and GPU sets it); "
                 + ("gpu_ms: device time per call with the host ahead (calls queued behind a sleep kernel, CUDA "
                    "events; kernels, copies, fills and the gaps between them); host_us: host time per call while "

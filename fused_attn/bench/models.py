@@ -13,7 +13,8 @@ implementation in bf16 against eager on an fp32 copy of the weights, within the 
 and a packed row of 8192 tokens of mixed-length documents with cu_seq_lens), every
 implementation trains from the same initial weights on the same batches, the implementations
 taking turns over 3 rounds: rows with tokens/s, step ms (the best round's median after warm-up),
-GPU ms per step (kernel time of a profiled pass: the step's GPU work without host gaps), peak
+GPU ms per step (kernel time of a profiled pass: the step's GPU work without host gaps; the
+passes run after every timing of the process, `SuiteResult.profiled`), peak
 memory, the last loss and whether the implementation applies the model's real attention (Gemma 2's softcap, gpt-oss's sinks: transformers' sdpa has
 no softcap argument, so it silently drops Gemma 2's softcap). The B4 S2048 run is long enough
 to print loss curves (loss at steps 0, 10, 20, ...; 200 steps, quick: 30), which should agree
@@ -26,6 +27,7 @@ falls from ln(32000) = 10.4 towards ln(4) = 1.39 as the model learns the table.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import statistics
@@ -273,6 +275,12 @@ def gpu_ms_per_step(model, impl: str, batches: Sequence[Dict[str, object]], init
         _free(device)
 
 
+def _fill_gpu_ms(row: Dict[str, object], model, impl: str, batches: Sequence[Dict[str, object]],
+                 init_state: Dict[str, torch.Tensor], device: torch.device) -> None:
+    """A deferred profiler pass (`SuiteResult.defer_profile`): the row's gpu_ms."""
+    row["gpu_ms"] = gpu_ms_per_step(model, impl, batches, init_state, device)
+
+
 def _tokens(batch: Dict[str, object]) -> int:
     return int(batch["input_ids"].numel())
 
@@ -342,13 +350,13 @@ def run_model(family: str, quick: bool, device: torch.device, *, size: str = "be
             ms = min(round_ms[impl])
             rows[impl].update(step_ms=ms, tokens_per_s=tokens / (ms / 1e3) if ms else None)
             if device.type == "cuda":
-                rows[impl]["gpu_ms"] = gpu_ms_per_step(model, impl, batches[:warmup + timed_steps], init_state,
-                                                       device)
+                result.defer_profile(f"models / {family} / {label} / {impl}", functools.partial(
+                    _fill_gpu_ms, rows[impl], model, impl, batches[:warmup + timed_steps], init_state, device))
         result.rows += list(rows.values())
         _flag_first_losses(result.rows, family, label)
         if curves:
             curve_rows += loss_rows(family, label, curves)
-    del model
+    del model  # the deferred profiler passes hold it until they have run
     _free(device)
     result.rows += curve_rows
     return result

@@ -13,16 +13,38 @@ from .common import (Group, Impl, ImplWrongError, check_impl, device_ms_per_call
 
 @dataclass
 class SuiteResult:
-    """Rows of a suite run plus the failures (wrong or crashing required impls) found on the way."""
+    """Rows of a suite run plus the failures (wrong or crashing required impls) found on the way.
+
+    profiled: torch.profiler passes that fill columns of rows already in `rows`, deferred until
+    every timing of the process is taken (`run_profiled`): torch's profiler leaves CUPTI attached
+    to the process after a pass (pytorch/pytorch#144455), and host-bound work timed after one ran
+    up to 2x slower (H200), so a pass run between timings would skew every later row.
+    """
 
     rows: List[Dict[str, object]] = field(default_factory=list)
     failures: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    profiled: List[Tuple[str, Callable[[], None]]] = field(default_factory=list)
 
     def extend(self, other: "SuiteResult") -> None:
         self.rows += other.rows
         self.failures += other.failures
         self.notes += other.notes
+        self.profiled += other.profiled
+
+    def defer_profile(self, what: str, fill: Callable[[], None]) -> None:
+        """Queue `fill` (a profiler pass that writes into rows of this result) under the name `what`."""
+        self.profiled.append((what, fill))
+
+    def run_profiled(self) -> None:
+        """Run the deferred profiler passes in order, once; a pass that raises leaves its columns
+        empty and is recorded in `failures`."""
+        passes, self.profiled = self.profiled, []
+        for what, fill in passes:
+            try:
+                fill()
+            except Exception as exc:  # noqa: BLE001 - a profile is extra information; say why it is missing
+                self.failures.append(f"profiler pass {what}: {type(exc).__name__}: {exc}")
 
 
 def run_config(suite: str, config: str, impls: Sequence[Impl], expected: Dict[str, torch.Tensor],

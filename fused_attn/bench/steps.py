@@ -8,13 +8,15 @@ would pass its collator's value), so no call needs to read cu_seqlens on the hos
 
 * wall ms / step: perf_counter over all steps, one synchronize at the end (what a user feels),
   best of ROUNDS rounds in which the implementations take turns;
-* GPU ms / step: the sum of device kernel durations in a torch.profiler trace, divided by steps;
+* GPU ms / step: the sum of device kernel durations in a torch.profiler trace, divided by steps
+  (the trace is taken after every timing of the process: `SuiteResult.profiled`);
 * kernels / step: device kernels (memcpy/memset excluded) per step in that trace;
 * host syncs / step: synchronising runtime calls and host reads of device values per step.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Dict, List, Sequence
 
@@ -90,6 +92,14 @@ def _step_fn(fn: Callable, qb, kb, vb, dob) -> Callable[[tuple], None]:
         torch.autograd.backward(out, dob[:t])
 
     return step
+
+
+PROFILE_COLUMNS = ("gpu_ms_per_step", "kernels_per_step", "host_syncs_per_step")
+
+
+def _fill_profile(row: Dict[str, object], step: Callable[[tuple], None], batches: Sequence[tuple], device) -> None:
+    """A deferred profiler pass (`SuiteResult.defer_profile`): the row's PROFILE_COLUMNS."""
+    row.update(profile_steps(step, batches, device))
 
 
 def profile_steps(step: Callable[[tuple], None], batches: Sequence[tuple], device) -> Dict[str, float]:
@@ -173,11 +183,12 @@ def run_varlen_step(device, quick: bool, *, n: int = N, max_len: int = MAX_LEN, 
             wall[name] = min(wall[name], (time.perf_counter() - start) / steps * 1e3)
     builds = fused_attn.graph_cache.cache_info().builds - builds0
     for name, step in steps_by_impl.items():
-        prof = profile_steps(step, batches[:20], device)
-        result.rows.append({"suite": "varlen", "config": config, "mode": "train step", "impl": name,
-                            "wall_ms_per_step": wall[name], "host_ms_per_step": host[name], **prof,
-                            "builds": builds if name == "fused_attn" else None,
-                            "note": _NOTES.get(name, "warmed up; max_seqlen given; lengths new every step")})
+        row = {"suite": "varlen", "config": config, "mode": "train step", "impl": name,
+               "wall_ms_per_step": wall[name], "host_ms_per_step": host[name], **dict.fromkeys(PROFILE_COLUMNS),
+               "builds": builds if name == "fused_attn" else None,
+               "note": _NOTES.get(name, "warmed up; max_seqlen given; lengths new every step")}
+        result.rows.append(row)
+        result.defer_profile(f"{config} / {name}", functools.partial(_fill_profile, row, step, batches[:20], device))
     for peer in ("torch_varlen", BARE):
         if peer in wall:
             ours, theirs = wall["fused_attn"], wall[peer]
