@@ -361,3 +361,25 @@ def test_a_suite_result_merges_and_runs_its_profiler_passes_once():
     a.run_profiled()
     a.run_profiled()
     assert seen == ["a", "b"] and a.profiled == [] and a.failures == []
+
+
+def test_recompile_limit_reports_are_collected():
+    """A torch.compile function past its recompile limit runs uncompiled: the models suite notes it."""
+    from fused_attn.bench.models import recompile_limit_hits
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", dynamic=False)
+    def add_one(x):
+        return x + 1
+
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            with recompile_limit_hits() as within:
+                add_one(torch.ones(2))
+            assert within == []
+            with recompile_limit_hits() as hits:
+                assert torch.equal(add_one(torch.ones(3)), torch.full((3,), 2.0))  # a new shape: one compile too many
+    finally:
+        torch._dynamo.reset()
+    assert len(hits) == 1 and "recompile_limit" in hits[0]

@@ -18,7 +18,9 @@ passes run after every timing of the process, `SuiteResult.profiled`), peak
 memory, the last loss and whether the implementation applies the model's real attention (Gemma 2's softcap, gpt-oss's sinks: transformers' sdpa has
 no softcap argument, so it silently drops Gemma 2's softcap). The B4 S2048 run is long enough
 to print loss curves (loss at steps 0, 10, 20, ...; 200 steps, quick: 30), which should agree
-across implementations that compute the same attention.
+across implementations that compute the same attention. Each family starts from a fresh
+torch.compile cache (as a training process would), and a row whose implementation hit
+torch.compile's recompile limit (it then runs uncompiled) says so in its note.
 
 The data is learnable: each token is followed by one of 4 fixed random successors, so the loss
 falls from ln(32000) = 10.4 towards ln(4) = 1.39 as the model learns the table.
@@ -26,9 +28,11 @@ falls from ln(32000) = 10.4 towards ln(4) = 1.39 as the model learns the table.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
+import logging
 import math
 import statistics
 import time
@@ -217,7 +221,7 @@ def train_run(model, impl: str, batches: Sequence[Dict[str, object]], init_state
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, recompile_limit_hits() as limit_hits:
             warnings.simplefilter("always")
             for i, batch in enumerate(batches):
                 t0 = time.perf_counter()
@@ -230,7 +234,37 @@ def train_run(model, impl: str, batches: Sequence[Dict[str, object]], init_state
     finally:
         del opt
     return {"losses": [float(x) for x in losses], "step_ms": statistics.median(times) if times else None,
-            "peak_gb": peak, "fallback": any(w.category.__name__ == "FallbackWarning" for w in caught)}
+            "peak_gb": peak, "fallback": any(w.category.__name__ == "FallbackWarning" for w in caught),
+            "uncompiled": bool(limit_hits)}
+
+
+#: The logger through which torch.compile reports a function that hit its recompile limit (the
+#: function then runs uncompiled: for flex_attention, the whole score matrix materialised).
+DYNAMO_LOGGER = "torch._dynamo.convert_frame"
+
+
+class _Collect(logging.Handler):
+    def __init__(self, hits: List[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.hits = hits
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "recompile_limit" in message or "cache_size_limit" in message:
+            self.hits.append(message.splitlines()[0])
+
+
+@contextlib.contextmanager
+def recompile_limit_hits():
+    """A list that collects torch.compile's "hit config.recompile_limit" reports inside the block."""
+    hits: List[str] = []
+    handler = _Collect(hits)
+    logger = logging.getLogger(DYNAMO_LOGGER)
+    logger.addHandler(handler)
+    try:
+        yield hits
+    finally:
+        logger.removeHandler(handler)
 
 
 def _train_step(model, opt, batch: Dict[str, object], losses: List[torch.Tensor]) -> None:
@@ -295,8 +329,16 @@ def run_model(family: str, quick: bool, device: torch.device, *, size: str = "be
     from fused_attn.integrations.transformers import register
 
     register()
+    # a fresh torch.compile cache per family: transformers compiles flex_attention once per process,
+    # and the shapes and score_mods of earlier families count against dynamo's recompile limit, past
+    # which flex_attention runs uncompiled (one H200 run: Gemma 2's packed flex step 450 ms of GPU and
+    # 37.7 GB after the Llama family, 53 ms in a process of its own)
+    torch._dynamo.reset()
     result = SuiteResult()
+    if device.type == "cuda":  # the same for this family's profiler passes, which run after every family's timings
+        result.defer_profile(f"models / {family}: a fresh torch.compile cache", torch._dynamo.reset)
     curve_rows: List[Dict[str, object]] = []
+    uncompiled: set = set()  # impls whose torch.compile hit dynamo's recompile limit in this family
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = model_config(family, size)
     model = build_model(config, "eager", dtype=dtype, device=device)
@@ -346,6 +388,11 @@ def run_model(family: str, quick: bool, device: torch.device, *, size: str = "be
                         rows[impl]["note"] = "fused_attn ran (partly) on the reference backend: FallbackWarning"
                     if curve:
                         curves[impl] = run["losses"]
+                if run["uncompiled"]:  # reported once per compiled function: it stays uncompiled after
+                    uncompiled.add(impl)
+        for impl in uncompiled & set(rows):
+            note = "torch.compile hit its recompile limit in this family's runs: parts of the step may run uncompiled"
+            rows[impl]["note"] = (rows[impl]["note"] + "; " if rows[impl]["note"] else "") + note
         for impl in live:
             ms = min(round_ms[impl])
             rows[impl].update(step_ms=ms, tokens_per_s=tokens / (ms / 1e3) if ms else None)
