@@ -38,6 +38,9 @@ class PlanAttention(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         if lse is not None:
             ctx.mark_non_differentiable(lse)
+        # no zero-filled gradient for lse (non-differentiable) or an unused out: one allocation and
+        # one fill kernel fewer per backward; a None grad_out is handled below
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
