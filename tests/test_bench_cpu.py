@@ -343,7 +343,17 @@ def test_profiler_passes_run_after_every_suite_is_timed(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "environment", lambda device: {"gpu": "NVIDIA H200", "torch": torch.__version__})
     monkeypatch.setattr(bench, "_suite_runner", suite)
     monkeypatch.setattr(bench, "SUITES", ("dense", "varlen"))
+    written = []
+    write = bench.write_results
+
+    def spy(name, rows, *args):
+        written.append((name, [r["gpu_ms"] for r in rows]))
+        return write(name, rows, *args)
+
+    monkeypatch.setattr(bench, "write_results", spy)
     assert main(["bench", "all", "--out", str(tmp_path)]) == 1  # the broken pass is a failure
+    # each suite's rows reach the disk as soon as it is timed, and again once profiled
+    assert written == [("dense", [None]), ("varlen", [None]), ("dense", [0.5]), ("varlen", [0.5])]
     assert events == ["dense timed", "varlen timed", "dense profiled", "varlen profiled"]
     for name in ("dense", "varlen"):
         _, rows = _read_csv(tmp_path / f"{name}_h200.csv")

@@ -6,7 +6,9 @@ first-build row is the process's first graph build). Every impl is
 checked against a float64 reference before it is timed, within the project's bound
 (`fused_attn.testing.bound_from`: 2 x the error of the naive bf16 torch computation + a floor);
 a wrong result makes the exit status 1.
-Results: a printed table per suite plus `<out>/<suite>_<gpu>.csv` and `.md` with the versions.
+Results: a printed table per suite plus `<out>/<suite>_<gpu>.csv` and `.md` with the versions,
+written when the suite finishes and again after the run's profiler passes, which come after every
+suite's timings (torch's profiler leaves CUPTI attached: see `runner.SuiteResult`).
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _report(name: str, result: SuiteResult, env: Dict[str, str], out: str) -> None:
-    print_table(name, result.rows, env)
+def _report(name: str, result: SuiteResult, env: Dict[str, str], out: str, show: bool = True) -> None:
+    if show:
+        print_table(name, result.rows, env)
     if result.rows:
         csv_path, md_path = write_results(name, result.rows, env, out, result.notes)
-        print(f"wrote {csv_path} and {md_path}")
+        if show:
+            print(f"wrote {csv_path} and {md_path}")
 
 
 def cpu_smoke(out: str) -> SuiteResult:
@@ -116,6 +120,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except Exception as exc:  # a whole suite could not run: report, keep going, fail at the end
             traceback.print_exc()
             failures.append(f"{name}: suite crashed: {type(exc).__name__}: {exc}")
+        else:  # on disk now (profiled columns still empty), should a later suite take the process down
+            _report(name, results[name], env, args.out, show=False)
         torch.cuda.empty_cache()
     # every timing of the process is taken: now the profiler passes (see SuiteResult.profiled)
     for name, result in results.items():
