@@ -421,6 +421,7 @@ class BandChunks(torch.autograd.Function):
         ctx.mod_values = getattr(mod, "_values", None)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled (B, H, Sq) gradient for lse per backward
         return out, lse
 
     @staticmethod
