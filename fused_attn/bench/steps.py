@@ -125,8 +125,7 @@ def profile_steps(step: Callable[[tuple], None], batches: Sequence[tuple], devic
         elif name in _SYNC_EVENTS:
             syncs += 1
     n = len(batches)
-    return {"gpu_ms_per_step": gpu_us / 1e3 / n, "kernels_per_step": kernels / n,
-            "host_syncs_per_step": max(0, syncs - ours) / n}
+    return dict(zip(PROFILE_COLUMNS, (gpu_us / 1e3 / n, kernels / n, max(0, syncs - ours) / n)))
 
 
 _NOTES = {FLOOR: "no attention: slices, autograd and grad accumulation alone",
