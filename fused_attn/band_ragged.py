@@ -14,7 +14,7 @@ call a backward over the band only, in two ragged cuDNN graphs instead of one re
   call's own band (query and key lengths equal: the band ends on the diagonal).
 
 Every key a query row attends lies in its own call, so each graph's backward from the call's
-output and log-sum-exp rows (gathered into its padded Stats by a precomputed index) is exact; dQ
+output and log-sum-exp rows (its per-token Stats: the call's lse transposed, token-major) is exact; dQ
 rows are disjoint between the two, the body's dK / dV shares are added into the head's by index
 in fp32. Exact only for score_mods that read no position or length and index no
 tensor by position (`band_chunks.eligible`), bshd calls with Sq == Skv and a top-left window
@@ -34,7 +34,7 @@ from .plan import Refusal, Varlen, _static_problem, get_plan
 from .problem import Band
 from .spec import AttentionSpec
 
-__all__ = ["Geometry", "geometry", "chunk_rows", "RaggedWindowBackward", "area_fraction"]
+__all__ = ["Geometry", "geometry", "chunk_rows", "RaggedWindowBackward", "area_fraction", "token_stats"]
 
 TILE = 128
 
@@ -98,12 +98,12 @@ class RaggedWindowBackward:
     """Gradients of a bshd window call (query (B, S, H, D), key / value (B, S, Hkv, D|Dv)) from its
     output and lse (B, H, S), over the band only (see the module docstring).
 
-    Built once per call signature (its offsets, key-row and Stats indices live on the device);
+    Built once per call signature (its offsets and key-row index live on the device);
     raises plan.Refusal when cuDNN declines either graph."""
 
     def __init__(self, spec: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  g: Geometry) -> None:
-        b, s, h, _ = query.shape
+        b, s = query.shape[:2]
         dev = query.device
         self.head_varlen, self.body_varlen, self.index, self.first = _varlens(g, dev)
         flat = [t.detach().reshape(b * s, t.shape[2], t.shape[3]) for t in (query, key, value)]
@@ -111,10 +111,6 @@ class RaggedWindowBackward:
         self.head = _runner(_thd_spec(spec, spec.band), mod, flat, self.head_varlen)
         self.body = _runner(_thd_spec(spec, Band(0, g.left, False)), mod, [flat[0][self.first:]] + body_kv,
                             self.body_varlen)
-        head_rows = [(bi, 0, g.head_rows) for bi in range(g.batch)]
-        self.head_stats = _stats_index(self.head, head_rows, g, h, dev)
-        self.body_stats = _stats_index(self.body, g.body, g, h, dev)
-        self.no_row = torch.full((1,), float("-inf"), dtype=torch.float32, device=dev)
 
     def backward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, mod: Any, grad_out: torch.Tensor):
@@ -123,12 +119,11 @@ class RaggedWindowBackward:
         rows = b * s
         q, k, v = (t.reshape(rows, t.shape[2], t.shape[3]) for t in (query, key, value))
         o, d_o = out.reshape(rows, h, out.shape[3]), grad_out.reshape(rows, h, grad_out.shape[3])
-        lse_rows = torch.cat((lse.detach().reshape(-1).to(torch.float32), self.no_row))  # (B * H * S + 1,)
-        dq, dk, dv = self.head.backward_call(q, k, v, o, _stats(lse_rows, self.head_stats), self.head_varlen, mod,
-                                             None, d_o)[:3]
+        stats = token_stats(lse)
+        dq, dk, dv = self.head.backward_call(q, k, v, o, stats, self.head_varlen, mod, None, d_o)[:3]
         f = self.first
         body = self.body.backward_call(q[f:], k.index_select(0, self.index), v.index_select(0, self.index), o[f:],
-                                       _stats(lse_rows, self.body_stats), self.body_varlen, mod, None, d_o[f:])
+                                       stats[f:], self.body_varlen, mod, None, d_o[f:])
         dq[f:] += body[0]  # the head's dQ is 0 on the body's rows and the other way round
         acc = torch.float64 if dk.dtype == torch.float64 else torch.float32  # key rows summed over chunks
         dk, dv = (g.to(acc).index_add_(0, self.index, part.to(acc)).to(g.dtype)
@@ -136,28 +131,13 @@ class RaggedWindowBackward:
         return dq.view(query.shape), dk.view(key.shape), dv.view(value.shape)
 
 
-def _stats_index(runner: Any, seqs, g: Geometry, heads: int, device: torch.device) -> Optional[tuple]:
-    """(index, Stats shape) that gather a runner's padded Stats (B_bucket, H, S_bucket, 1) from the
-    call's lse (B, H, S) flattened with one trailing -inf slot; None for a runner that keeps no
-    Stats (the reference recomputes its softmax). seqs: (batch row, first query, end) per sequence."""
-    shape = getattr(runner, "stats_shape", None)
-    if shape is None:
-        return None
-    nb, _, rows, _ = shape
-    none = g.batch * heads * g.seq  # the -inf slot
-    index = torch.full((nb, heads, rows), none, dtype=torch.int64)
-    r = torch.arange(rows)
-    hs = torch.arange(heads).view(-1, 1) * g.seq
-    for n, (b, q0, q1) in enumerate(seqs):
-        valid = r < (q1 - q0)
-        index[n] = torch.where(valid, b * heads * g.seq + hs + q0 + r, none)
-    return index.view(-1).to(device), tuple(shape)
-
-
-def _stats(lse_rows: torch.Tensor, index: Optional[tuple]) -> Optional[torch.Tensor]:
-    if index is None:
-        return None
-    return lse_rows.index_select(0, index[0]).view(index[1])
+def token_stats(lse: torch.Tensor) -> torch.Tensor:
+    """Both calls' Stats from the call's lse (B, H, S): fp32 (B * S, H, 1), one row per query token
+    of the flat (B * S) rows, the layout a packed cuDNN runner reads (a packed call's tokens are
+    rows of that buffer: the head's at their own rows, the body's from its first row on; rows
+    outside a call's sequences are not read). The reference recomputes and ignores it."""
+    # contiguous: with one batch row the reshape is a strided view, and cuDNN reads dense rows
+    return lse.detach().to(torch.float32).transpose(1, 2).reshape(-1, lse.shape[1], 1).contiguous()
 
 
 def _thd_spec(spec: AttentionSpec, band: Optional[Band]) -> AttentionSpec:

@@ -394,28 +394,22 @@ def test_the_cost_model_offers_the_packed_window_where_it_saves_backward_work():
 
 
 @pytest.mark.parametrize("batch, seq, left", [(2, 700, 200), (3, 1000, 127), (1, 557, 300)])
-def test_packed_window_stats_equal_the_packed_lse_scatter(batch, seq, left):
-    """The precomputed Stats gather of the packed-window backward gives what the packed runner's
-    own lse scatter would (padded (B_bucket, H, S_bucket, 1), -inf off real rows), for the head
-    and the body call."""
-    from types import SimpleNamespace
-
+def test_packed_window_stats_are_the_packed_lse_per_token(batch, seq, left):
+    """The packed-window backward's Stats (one row per flat query row) hold, at every token of
+    the head and the body call, the lse of that token: what the packed runner makes of the
+    call's packed lse (H, Tq) (its transpose) for its own tokens."""
     from fused_attn import band_ragged as R
-    from fused_attn.backends.cudnn import varlen as VL
 
     heads = 3
     g = R.geometry(batch, seq, left)
     head, body, _, first = R._varlens(g, torch.device("cpu"))
     lse = torch.randn(batch, heads, seq)
-    packed = lse.permute(1, 0, 2).reshape(heads, batch * seq)
-    rows = torch.cat((lse.reshape(-1), torch.tensor([float("-inf")])))
-    for varlen, seqs, part, tokens in ((head, [(b, 0, g.head_rows) for b in range(batch)], packed, batch * seq),
-                                       (body, g.body, packed[:, first:], batch * seq - first)):
-        n = varlen.cu_seqlens_q.numel() - 1
-        shape = (VL.bucket_batch(n), heads, VL.bucket_seqlen(varlen.max_seqlen_q), 1)
-        index = R._stats_index(SimpleNamespace(stats_shape=shape), seqs, g, heads, torch.device("cpu"))
-        layout = VL.ThdLayout(n, shape[0], (heads * 16,), (16,), torch.device("cpu"))
-        kv_tokens = int(varlen.cu_seqlens_kv[-1]) if varlen.cu_seqlens_kv_padded is None else tokens
-        thd, _ = VL._prepare_ops(layout, varlen.cu_seqlens_q, varlen.cu_seqlens_kv, varlen.cu_seqlens_q_padded,
-                                 varlen.cu_seqlens_kv_padded, (tokens, kv_tokens), (shape[2], shape[2] + left))
-        assert torch.equal(R._stats(rows, index), VL.scatter_lse(part, thd, shape))
+    stats = R.token_stats(lse)
+    assert stats.shape == (batch * seq, heads, 1) and stats.dtype == torch.float32
+    packed = lse.permute(1, 0, 2).reshape(heads, batch * seq)  # (H, Tq) of the flat rows
+    for varlen, rows, start in ((head, stats, 0), (body, stats[first:], first)):
+        starts = varlen.cu_seqlens_q_padded.tolist()
+        lens = (varlen.cu_seqlens_q[1:] - varlen.cu_seqlens_q[:-1]).tolist()
+        for s0, n in zip(starts, lens):  # every token of every sequence of the call
+            torch.testing.assert_close(rows[s0:s0 + n, :, 0], packed[:, start + s0:start + s0 + n].t(), rtol=0, atol=0)
+        assert rows.is_contiguous()

@@ -216,8 +216,17 @@ def test_thd_ragged_offsets(direction):
     for name, off in expect.items():
         assert named[name].ragged_offset.name == off, name
         assert named[off].dim == [5, 1, 1, 1]
-    assert named["stats"].ragged_offset is None and named["stats"].dim == [4, H, 256, 1]
+    # Stats: one token-major row per query token (heads innermost) at offsets token * H
+    assert named["stats"].ragged_offset.name == f"roff_q_{H}" and named[f"roff_q_{H}"].dim == [5, 1, 1, 1]
+    assert named["stats"].dim == [4, H, 256, 1] and named["stats"].stride == [H * 256, 1, H, 1]
     assert sdpa_node(graph).params["use_padding_mask"] is True
+
+
+def test_dense_stats_stay_packed():
+    for direction in ("fwd", "bwd"):
+        key, _ = dense_key(direction, "bshd")
+        _, named = construct(key)
+        assert named["stats"].ragged_offset is None and named["stats"].stride == [H * SQ, SQ, 1, 1]
 
 
 def test_grad_strides_follow_input_memory_order():
@@ -354,21 +363,6 @@ def test_prepare_uses_padded_offsets():
     assert thd.seq_q.view(-1).tolist() == [3, 4]
 
 
-def test_gather_lse_packed_layout():
-    layout, vl, tokens = make_thd([3, 0, 5], [3, 1, 5], padded_gap=1)
-    thd = varlen.prepare(layout, vl, tokens, (5, 5))
-    stats = torch.randn(layout.batch_bucket, H, 64, 1)
-    tq = tokens[0]
-    lse = varlen.gather_lse(stats, thd, tq)
-    assert lse.shape == (H, tq) and lse.dtype == torch.float32
-    expected = torch.full((H, tq), float("-inf"))
-    tok = thd.tok_q.tolist()
-    for b, n in enumerate([3, 0, 5]):
-        for i in range(n):
-            expected[:, tok[b] + i] = stats[b, :, i, 0]
-    torch.testing.assert_close(lse, expected)
-
-
 def test_rows_of_sequences_without_keys():
     layout, vl, tokens = make_thd([2, 3, 1], [1, 0, 4])
     thd = varlen.prepare(layout, vl, tokens, (3, 4))
@@ -403,9 +397,9 @@ def static_problem(fmt="bshd", dtype=torch.bfloat16, d=64, dv=64, device="cpu", 
 
 def test_bottom_right_thd_shares_one_seq_bucket():
     p = static_problem("thd", lens=([200, 3], [10, 20]), attn_mask_type="causal_bottom_right")
-    assert backend.saved_shape(p) == (2, 2, 256, 1)
+    assert backend.saved_shape(p, 203) == (203, 2, 1)  # one Stats row per query token
     p2 = static_problem("thd", lens=([200, 3], [10, 20]))
-    assert (p2.seqlen_q, p2.seqlen_kv) == (256, 128) and backend.saved_shape(p2) == (2, 2, 256, 1)
+    assert (p2.seqlen_q, p2.seqlen_kv) == (256, 128) and backend.saved_shape(p2, 203) == (203, 2, 1)
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -431,7 +425,7 @@ def test_refusal_reasons_on_cuda(kw, match):
 
 
 def test_saved_shape_dense():
-    assert backend.saved_shape(static_problem()) == (1, 2, 16, 1)
+    assert backend.saved_shape(static_problem(), 1) == (1, 2, 16, 1)
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -511,3 +505,10 @@ def test_one_kernel_preparation_layout_and_cpu_rows():
     assert shared.picks == (0, None, 1, ((("q", H * D), 2), (("kv", HKV * D), 3)), 4)
     assert one_row.picks == (0, None, None, ((("q", 7), 1), (("q", H * D), 2), (("kv", 7), 1), (("kv", H * D), 2)), 3)
     assert two_rows.picks[:3] == (0, 1, None) and two_rows.meta_for(True) == dict(two_rows.meta, CHECK=True)
+    # a thd runner's query side: q / o offsets and the Stats rows (heads); one row's key offsets
+    # that the query side already writes are not written twice
+    runner_like = varlen.ThdLayout(8, 8, (H, H * DV, H * D), (H * D,), torch.device("cpu"))
+    three = thd_kernel._Recipe(runner_like, False, pow2)
+    assert three.names == ("seq_q", ("q", H), ("q", H * DV), ("q", H * D), "ok")
+    assert three.meta["NQ"] == 3 and three.meta["NKV"] == 0 and three.mults == (H, H * DV, H * D, 0, 0)
+    assert dict(three.picks[3])[("kv", H * D)] == 3

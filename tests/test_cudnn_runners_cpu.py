@@ -62,11 +62,17 @@ def stub(monkeypatch):
             if slot.startswith("roff_") or slot.startswith("seq_"):
                 continue
             extent = 1 + sum((d - 1) * s for d, s in zip(dims, strides) if d > 0)
-            if not slot.startswith(("q", "k", "v", "o", "dO", "dQ", "dK", "dV")) or not compiled.ragged:
+            if not slot.startswith(("q", "k", "v", "o", "dO", "dQ", "dK", "dV", "stats")) or not compiled.ragged:
                 assert t.numel() >= extent or t.storage_offset() + extent <= t.untyped_storage().nbytes() // t.element_size(), \
                     f"slot {slot}: buffer of {t.numel()} elements under a graph tensor addressing {extent}"
         for slot in _OUTPUTS:
-            if slot in bind:
+            if slot == "stats" and compiled.ragged and "stats" in bind:
+                # like cuDNN: ragged Stats rows of real tokens only (rows between sequences keep their value)
+                heads = compiled.graph["stats"][0][1]
+                flat = bind["stats"].view(-1)
+                for start, n in zip(bind[f"roff_q_{heads}"].view(-1).tolist(), bind["seq_q"].view(-1).tolist()):
+                    flat[start:start + n * heads].normal_()
+            elif slot in bind:
                 bind[slot].normal_()
         for slot in ("dBias", "dSink"):  # known values, so a test can see they reach the caller
             if slot in bind:
@@ -198,9 +204,10 @@ def test_sink_and_bias_grads_are_read_after_the_run(stub, packed):
         # below 9.26 the backward graph has no sink token: dSink = -sum_t exp(sink - lse_t) rowsum(dO * O)_t
         assert "dSink" not in stub[-1] and "sink" not in stub[-1] and "sink" in stub[0]
         stats = saved[4]
+        assert stats.shape == (256, 2, 1)  # one Stats row per query token
         want = torch.zeros(2, dtype=torch.float64)
-        for s_idx, (a, b) in enumerate(((0, 100), (100, 256))):
-            lse = stats[s_idx, :, : b - a, 0].double()  # (H, len)
+        for a, b in ((0, 100), (100, 256)):
+            lse = stats[a:b, :, 0].t().double()  # (H, len)
             dot = (d_o[a:b].double() * out[a:b].double()).sum(-1).t()  # (H, len)
             want -= (torch.exp(sinks.double().view(-1, 1) - lse) * dot).sum(1)
         torch.testing.assert_close(grads[-1].double(), want.to(torch.bfloat16).double())

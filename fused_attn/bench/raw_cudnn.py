@@ -180,8 +180,10 @@ class RawRaggedSdpa:
 
     Built once for `batch` sequences of at most `max_seqlen` tokens, H heads of dim D (no GQA),
     top-left causal or not; every call binds the per-call lengths and ragged offsets. Packed
-    tensors: q / k / v / out (T, H, D); per call `seq_lens` (B, 1, 1, 1) int32 and `offsets`
-    (B + 1, 1, 1, 1) int32 element offsets (token offset * H * D); lse (B, H, max_seqlen, 1) fp32.
+    tensors: q / k / v / out (T, H, D); per call `seq_lens` (B, 1, 1, 1) int32, `offsets`
+    (B + 1, 1, 1, 1) int32 element offsets (token offset * H * D) and `stats_offsets` (token
+    offset * H); lse (T, H, 1) fp32, one row per token (cuDNN's ragged Stats: padded Stats cost
+    the forward a fill kernel of the whole padded buffer).
     The floor row of the varlen training step: what a hand-written ragged call costs.
     """
 
@@ -211,7 +213,7 @@ class RawRaggedSdpa:
         def ints(name, n):
             return g.tensor(dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32, name=name)
 
-        seq, off = ints("seq", b), ints("off", b + 1)
+        seq, off, stats_off = ints("seq", b), ints("off", b + 1), ints("stats_off", b + 1)
 
         def io(name):
             t = g.tensor(dim=[b, h, s, d], stride=st, data_type=dt.BFLOAT16, name=name)
@@ -228,29 +230,31 @@ class RawRaggedSdpa:
         if not backward:
             o, stats = g.sdpa(q=q, k=k, v=v, generate_stats=True, name="raw_thd", **kw)
             out(o)
-            stats.set_output(True).set_data_type(dt.FLOAT).set_dim([b, h, s, 1]).set_stride([h * s, s, 1, 1])
-            order = [q, k, v, o, stats, seq, off]
+            stats.set_output(True).set_data_type(dt.FLOAT).set_dim([b, h, s, 1]).set_stride([h * s, 1, h, 1])
+            stats.set_ragged_offset(stats_off)
+            order = [q, k, v, o, stats, seq, off, stats_off]
         else:
             o, d_o = io("o"), io("dO")
-            stats = g.tensor(dim=[b, h, s, 1], stride=[h * s, s, 1, 1], data_type=dt.FLOAT, name="stats")
+            stats = g.tensor(dim=[b, h, s, 1], stride=[h * s, 1, h, 1], data_type=dt.FLOAT, name="stats")
+            stats.set_ragged_offset(stats_off)
             dq, dk, dv = g.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, name="raw_thd_bwd", **kw)
             for t in (dq, dk, dv):
                 out(t)
-            order = [q, k, v, o, d_o, stats, dq, dk, dv, seq, off]
+            order = [q, k, v, o, d_o, stats, dq, dk, dv, seq, off, stats_off]
         _build(g)
         return g, [t.get_uid() for t in order]
 
     def _set_stream(self) -> None:
         self._stream = _bind_stream(self.handle, self._stream)
 
-    def run_fwd(self, q, k, v, out, lse, seq_lens, offsets) -> None:
+    def run_fwd(self, q, k, v, out, lse, seq_lens, offsets, stats_offsets) -> None:
         """Forward into caller buffers (see the class docstring)."""
         self._set_stream()
-        self._fwd_graph.execute([q, k, v, out, lse, seq_lens, offsets], self._ws, handle=self.handle,
+        self._fwd_graph.execute([q, k, v, out, lse, seq_lens, offsets, stats_offsets], self._ws, handle=self.handle,
                                 tensor_uids=self._fwd_uids)
 
-    def run_bwd(self, q, k, v, out, do, lse, dq, dk, dv, seq_lens, offsets) -> None:
+    def run_bwd(self, q, k, v, out, do, lse, dq, dk, dv, seq_lens, offsets, stats_offsets) -> None:
         """Backward into caller buffers (see the class docstring)."""
         self._set_stream()
-        self._bwd_graph.execute([q, k, v, out, do, lse, dq, dk, dv, seq_lens, offsets], self._ws,
+        self._bwd_graph.execute([q, k, v, out, do, lse, dq, dk, dv, seq_lens, offsets, stats_offsets], self._ws,
                                 handle=self.handle, tensor_uids=self._bwd_uids)

@@ -36,27 +36,28 @@ BARE = "autograd.Function over bare cuDNN ragged graphs (no library code)"
 
 class BareRaggedFunction(torch.autograd.Function):
     """apply(raw, q, k, v, cu): packed attention over one `RawRaggedSdpa` graph pair with only
-    what a ragged call must do per step: the lengths and element offsets from cu_seqlens (two
+    what a ragged call must do per step: the lengths and element offsets from cu_seqlens (three
     small kernels, no value checks), out and its statistics, dq / dk / dv. No library code: its
     step time is the floor of a Python-level varlen attention on cuDNN on this host."""
 
     @staticmethod
     def forward(ctx, raw, q, k, v, cu):
-        b, h, s, d = raw.dims
+        _, h, _, d = raw.dims
         seq = (cu[1:] - cu[:-1]).view(-1, 1, 1, 1)
         off = (cu * (h * d)).view(-1, 1, 1, 1)
+        stats_off = (cu * h).view(-1, 1, 1, 1)
         out = torch.empty_like(q)
-        lse = torch.empty((b, h, s, 1), dtype=torch.float32, device=q.device)
-        raw.run_fwd(q, k, v, out, lse, seq, off)
+        lse = torch.empty((q.shape[0], h, 1), dtype=torch.float32, device=q.device)
+        raw.run_fwd(q, k, v, out, lse, seq, off, stats_off)
         ctx.raw = raw
-        ctx.save_for_backward(q, k, v, out, lse, seq, off)
+        ctx.save_for_backward(q, k, v, out, lse, seq, off, stats_off)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, seq, off = ctx.saved_tensors
+        q, k, v, out, lse, seq, off, stats_off = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        ctx.raw.run_bwd(q, k, v, out, grad.contiguous(), lse, dq, dk, dv, seq, off)
+        ctx.raw.run_bwd(q, k, v, out, grad.contiguous(), lse, dq, dk, dv, seq, off, stats_off)
         return None, dq, dk, dv, None
 
 

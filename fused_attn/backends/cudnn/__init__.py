@@ -5,7 +5,7 @@
                                           (a graph the frontend declines raises plan.Refusal)
     keys_bounded=True (both)              an internal packed call whose band ends every query
                                           inside its sequence's keys (see _key_tail_refusal)
-    saved_shape(problem) -> tuple         shape of the fp32 Stats the runner saves (fake tensors)
+    saved_shape(problem, rows) -> tuple   shape of the fp32 Stats the runner saves (fake tensors)
 
 The frontend (`cudnn`) is imported only when a graph is built or run.
 """
@@ -222,21 +222,19 @@ def _padded_as_thd(problem: Any) -> bool:
     return refusal(thd_problem(problem)) is None
 
 
-def saved_shape(problem: Any) -> Tuple[int, ...]:
-    """The fp32 Stats shape a runner saves: (B, H, Sq, 1), or (B_bucket, H, S_bucket, 1) for thd
-    (and for dense padded plans, which run as packed sequences)."""
+def saved_shape(problem: Any, query_rows: int) -> Tuple[int, ...]:
+    """The fp32 Stats shape a runner saves: (B, H, Sq, 1) for dense graphs, (Tq, H, 1) for packed
+    ones (one row per query token; dense padded plans run as packed sequences of B * Sq rows).
+    query_rows: the query's first dim (Tq of a packed call)."""
     if _padded_as_thd(problem):
         from .padded import thd_problem
 
+        rows = problem.batch * problem.seqlen_q
         problem = thd_problem(problem)
+        if not runs_as_dense(problem):
+            return (rows, problem.heads, 1)
     if runs_as_dense(problem):  # the dense graph's Stats
         return (problem.batch, problem.heads, problem.seqlen_q, 1)
     if not problem.is_packed:
         return (problem.batch, problem.heads, problem.seqlen_q, 1)
-    from .varlen import bucket_batch
-
-    sq = problem.seqlen_q
-    band = problem.spec.band
-    if band is not None and band.bottom_right:
-        sq = max(sq, problem.seqlen_kv)
-    return (bucket_batch(problem.batch), problem.heads, sq, 1)
+    return (query_rows, problem.heads, 1)

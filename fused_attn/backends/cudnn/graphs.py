@@ -8,9 +8,11 @@ whose ordered slot list drives `execute` on the hot path.
 Slots (names of the buffers bound at execute, see `CompiledGraph.slots`):
     q, k, v, o, stats                      forward (o, stats are outputs)
     q, k, v, o, dO, stats, dQ, dK, dV      backward (dQ, dK, dV are outputs)
+                                           stats: fp32 (B, H, Sq, 1); thd: one row per query
+                                           token, a packed (Tq, H, 1) buffer with ragged offsets
     seq_q, seq_kv                          (B, 1, 1, 1) int32 lengths (padding / thd)
     roff_q_<m>, roff_kv_<m>                (B+1, 1, 1, 1) int32 element offsets, thd only;
-                                           <m> the multiplier (heads * head dim)
+                                           <m> the multiplier (heads * head dim; heads for stats)
     sm:<name>                              score_mod operands; q_len / kv_len are the
                                            seq_len tensors (padding / thd) or CPU fp32 scalars
     attn_scale                             CPU fp32 (1, 1, 1, 1) pass-by-value softmax scale
@@ -193,7 +195,14 @@ def _o_dims(key: GraphKey) -> Dims:
 
 
 def _stats_dims(key: GraphKey) -> Tuple[Dims, Dims]:
+    """Stats' dims and strides: packed (B, H, Sq, 1), the caller's strides, or for thd graphs
+    token-major rows (one per query token, heads innermost) at ragged offsets token * H. The
+    ragged form is also the fast one: with padded Stats cuDNN's ragged forward first fills the
+    whole (B_bucket, H, S_bucket) buffer in a kernel of its own (H200, cuDNN 9.19: 5.9 us of a
+    16-document call's 135, 10.8 of a 64-document call's 125)."""
     b, h, s, _ = key.q_dims
+    if key.ragged:
+        return (b, h, s, 1), (h * s, 1, h, 1)
     return (b, h, s, 1), key.stats_strides or (h * s, s, 1, 1)
 
 
@@ -261,11 +270,13 @@ def construct(key: GraphKey, score_mod: Any = None, operand_templates: Optional[
         kw = _common_kwargs(b, score_mod, operand_templates or {}, backward=False)
         o, stats = b.graph.sdpa(q=q, k=k, v=v, generate_stats=True, name="sdpa", **kw)
         b.output("o", o, "q", o_dims, key.o_strides)
-        b.output("stats", stats, None, stats_dims, stats_strides, cudnn.data_type.FLOAT)
+        b.output("stats", stats, "q", stats_dims, stats_strides, cudnn.data_type.FLOAT)
     else:
         o = b.io_tensor("o", "q", o_dims, key.o_strides)
         d_o = b.io_tensor("dO", "q", o_dims, key.o_strides)
         stats = b.tensor("stats", stats_dims, stats_strides, cudnn.data_type.FLOAT)
+        if key.ragged:
+            stats.set_ragged_offset(b.ragged("q", stats_dims))
         kw = _common_kwargs(b, score_mod, operand_templates or {}, backward=True)
         if key.deterministic:
             kw["use_deterministic_algorithm"] = True

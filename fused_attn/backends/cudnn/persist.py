@@ -28,8 +28,9 @@ from .graphs import CompiledGraph, fast_path
 __all__ = ["ENTRY_FORMAT", "stored_key", "environment", "encode", "decode", "load_or_build"]
 
 #: Bumped whenever the graph built for a key changes (2: a score_mod's leading scalar factor is
-#: folded into the attention scale), so stored plans of the old structure are never executed.
-ENTRY_FORMAT = "2"
+#: folded into the attention scale; 3: packed graphs keep Stats as ragged per-token rows), so
+#: stored plans of the old structure are never executed.
+ENTRY_FORMAT = "3"
 _LEN = struct.Struct("<I")
 _env_lock = threading.Lock()
 _env_by_device: Dict[int, Dict[str, str]] = {}  # bounded by the number of GPUs

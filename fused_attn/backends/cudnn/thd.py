@@ -2,9 +2,10 @@
 
 q (Tq, H, D), k (Tkv, Hkv, D), v (Tkv, Hkv, Dv) run on a ragged graph of logical dims
 (B_bucket, H, S_bucket, D) with strides (S_bucket*H*D, D, H*D, 1) and element offsets per
-sequence; the token count never enters the plan or the graph key. Stats is the padded
-(B_bucket, H, S_bucket, 1) fp32 log-sum-exp the backward reads as is; lse (H, Tq) is gathered
-from it only when asked for.
+sequence; the token count never enters the plan or the graph key. Stats is the fp32
+log-sum-exp as one row per query token, (Tq, H, 1) at ragged offsets token * H: the backward
+reads it as is, lse (H, Tq) is its transpose, and a given lse becomes Stats by transposing back.
+Tokens between sequences (padded offsets) hold -inf where anything reads them (lse, sinks).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ class ThdRunner:
             sq = skv = max(sq, skv)  # cuDNN's bottom-right band refuses max_s_q > max_s_kv
         h, hkv, d, dv = p.heads, p.kv_heads, p.head_dim, p.head_dim_v
         self.dims = ((bb, h, sq, d), (bb, hkv, skv, d), (bb, hkv, skv, dv))
-        self.stats_shape = (bb, h, sq, 1)
         self.heads, self.head_dim_v = h, dv
         self.dev = p.device.index if p.device.index is not None else torch.cuda.current_device()
-        self.layout = VL.ThdLayout(p.batch, bb, tuple(sorted({h * d, h * dv})), tuple(sorted({hkv * d, hkv * dv})),
-                                   p.device)
+        # query-side offsets: q / o (heads * dims) and the per-token Stats rows (heads)
+        self.layout = VL.ThdLayout(p.batch, bb, tuple(sorted({h * d, h * dv, h})),
+                                   tuple(sorted({hkv * d, hkv * dv})), p.device)
         self.lowering = L.plan_lowering(spec, spec.score_mod, (bb, h, sq, skv), has_lengths=True)
         self.has_mod = self.lowering.graph_mod is not None
         self.gaps_q, self.gaps = p.q_offsets, p.q_offsets or p.kv_offsets
@@ -114,10 +115,13 @@ class ThdRunner:
             bind["dropout_seed"], bind["dropout_offset"] = rng_views(rng) if rng is not None else dropout_rng(q.device)
         return (q, k, v), bind, thd
 
+    def stats_rows(self, tokens: int) -> tuple:
+        """The shape of the Stats a call of `tokens` query tokens saves: (Tq, H, 1) fp32."""
+        return (tokens, self.heads, 1)
+
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
         """Gradients from a given output and packed fp32 lse (H, Tq) (see DenseRunner)."""
-        (_, _, _), _, thd = self._bind(q, k, v, varlen, mod, sinks)
-        stats = VL.scatter_lse(lse.detach().to(torch.float32), thd, self.stats_shape)
+        stats = lse.detach().to(torch.float32).t().contiguous().unsqueeze(-1)  # (Tq, H, 1)
         return self.backward_call(q, k, v, out, stats, varlen, mod, sinks, grad_out)
 
     def op_grads(self, mod: Any, sinks: Any, grads: tuple) -> list:
@@ -138,20 +142,24 @@ class ThdRunner:
         # new_empty / new_zeros: the query's dtype and device without parsing them per call
         shape = (q.shape[0], self.heads, self.head_dim_v)
         out = q.new_zeros(shape) if self.gaps_q else q.new_empty(shape)  # tokens between sequences stay 0
-        stats = q.new_empty(self.stats_shape, dtype=torch.float32)
+        rows = self.stats_rows(q.shape[0])
+        read = self.static.spec.return_lse or sinks is not None  # gap rows are read: they hold -inf
+        stats = (q.new_full(rows, float("-inf"), dtype=torch.float32) if self.gaps_q and read
+                 else q.new_empty(rows, dtype=torch.float32))
         bind["o"], bind["stats"] = out, stats
         self.graphs.run("fwd", bind)
         del bind["o"], bind["stats"]  # no reference cycle through the output (see DenseRunner.forward)
         if not self.static.same_lengths:
             # sequences with queries but no key: out rows 0 and lse -inf (the reference's answer)
-            stats.masked_fill_(thd.seq_kv == 0, float("-inf"))
-            out.masked_fill_(VL.token_rows_of_empty_kv(thd, q.shape[0]).view(-1, 1, 1), 0.0)
-        lse = VL.gather_lse(stats, thd, q.shape[0]) if self.static.spec.return_lse else None
+            empty = VL.token_rows_of_empty_kv(thd, q.shape[0]).view(-1, 1, 1)
+            stats.masked_fill_(empty, float("-inf"))
+            out.masked_fill_(empty, 0.0)
+        lse = stats.view(rows[:2]).t().contiguous() if self.static.spec.return_lse else None
         saved = (q, k, v, out, stats) + (() if sinks is None else (sinks,))
         return out, lse, saved, (bind, thd, sinks is not None)
 
     def backward(self, state, saved, grad_out):
-        bind_fwd, thd, has_sinks = state
+        bind_fwd, _thd, has_sinks = state
         q, k, v, out, stats = saved[:5]
         d_o = grad_output(grad_out, out)
         grads = [t.new_zeros(t.shape) if self.gaps else t.new_empty(t.shape) for t in (q, k, v)]
@@ -166,17 +174,16 @@ class ThdRunner:
         if not has_sinks:
             return tuple(grads)
         if d_sink is None:
-            d_sink = self._sink_grad(bind_fwd["sink"], stats, thd, out, d_o)
+            d_sink = self._sink_grad(bind_fwd["sink"], stats, out, d_o)
         # cast only after the run: a cast taken before it would copy the unwritten buffer
         return tuple(grads) + (d_sink.view(-1).to(saved[5].dtype),)
 
-    def _sink_grad(self, sink: torch.Tensor, stats: torch.Tensor, thd: VL.ThdBatch, out: torch.Tensor,
-                   d_o: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _sink_grad(sink: torch.Tensor, stats: torch.Tensor, out: torch.Tensor, d_o: torch.Tensor) -> torch.Tensor:
         """dSink (H,) fp32 = -sum over query tokens of exp(sink_h - lse_t,h) * rowsum(dO * O)_t,h: the
         sink's column of dS = P * (dP - D) has dP = 0 (the sink has no value). lse (with the sink)
-        is gathered from the forward's Stats; tokens outside every sequence contribute nothing."""
-        tokens = out.shape[0]
-        lse = VL.gather_lse(stats, thd, tokens)  # (H, T); -inf off real tokens
+        is the forward's Stats (-inf on tokens outside every sequence: they contribute nothing)."""
+        lse = stats.view(stats.shape[:2]).t()  # (H, T)
         dot = (d_o.float() * out.float()).sum(-1).t()  # (H, T)
         weight = torch.exp(sink.view(-1, 1) - lse)
         return -(torch.where(torch.isfinite(lse), weight, 0.0) * dot).sum(1)

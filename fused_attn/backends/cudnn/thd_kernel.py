@@ -9,7 +9,8 @@ torch-op form of the same preparation takes eight small kernels: on H200 hosts (
 host time per call, `benchmarks/varlen_step_profile.py`) 147-190 us against 64-69 us for this
 form with its buffer, views and the caller's device assertion (the launch alone: 17 us).
 
-It serves rows without padded offsets, at most two multipliers per side and batches up to
+It serves rows without padded offsets, at most three multipliers on the query side (q / o, and
+the per-token Stats rows) and two on the key side, and batches up to
 `MAX_BATCH_BUCKET`; anything else, CPU tensors, and a torch without Triton (torch's CUDA wheels
 ship it) get None and use the torch-op form. Both forms give the same values bit for bit (GPU
 test over the value-check cases and random batches).
@@ -51,8 +52,8 @@ def _kernel() -> Any:
     # compilation class (value 1, multiples of 16, the rest); debug=True keeps tl.device_assert
     # (compiled out otherwise)
     @triton.jit(debug=True, do_not_specialize=["batch", "bb", "tokens_q", "tokens_kv", "limit_q", "limit_kv", "mq0",
-                                               "mq1", "mkv0", "mkv1"])
-    def prepare_rows(cu_q, cu_kv, out, batch, bb, tokens_q, tokens_kv, limit_q, limit_kv, mq0, mq1, mkv0, mkv1,
+                                               "mq1", "mq2", "mkv0", "mkv1"])
+    def prepare_rows(cu_q, cu_kv, out, batch, bb, tokens_q, tokens_kv, limit_q, limit_kv, mq0, mq1, mq2, mkv0, mkv1,
                      BLOCK: tl.constexpr, KV_ROW: tl.constexpr, EXT: tl.constexpr, NQ: tl.constexpr,
                      NKV: tl.constexpr, CHECK: tl.constexpr):
         i = tl.arange(0, BLOCK)
@@ -80,8 +81,11 @@ def _kernel() -> Any:
             p += bb + 1
         tl.store(out + p + i, cq * mq0, mask=row)
         p += bb + 1
-        if NQ == 2:
+        if NQ >= 2:
             tl.store(out + p + i, cq * mq1, mask=row)
+            p += bb + 1
+        if NQ == 3:
+            tl.store(out + p + i, cq * mq2, mask=row)
             p += bb + 1
         if NKV >= 1:
             tl.store(out + p + i, ck * mkv0, mask=row)
@@ -114,9 +118,10 @@ class _Recipe:
         bb = layout.batch_bucket
         self.ext = bb != layout.batch
         nq = len(layout.q_mults)
-        nkv = 0 if not kv_row and layout.kv_mults == layout.q_mults else len(layout.kv_mults)
+        # one row serving both sides: key offsets the query side writes are not written twice
+        nkv = 0 if not kv_row and set(layout.kv_mults) <= set(layout.q_mults) else len(layout.kv_mults)
         self.consts = (layout.batch, bb)
-        self.mults = (layout.q_mults + (0,) * (2 - nq)
+        self.mults = (layout.q_mults + (0,) * (3 - nq)
                       + ((layout.kv_mults + (0,) * (2 - nkv)) if nkv else (0, 0)))
         self.meta = dict(BLOCK=max(_MIN_BLOCK, next_pow2(bb + 1)), KV_ROW=kv_row, EXT=self.ext, NQ=nq, NKV=nkv)
         # the kernel's write order: seq_q, [seq_kv], [tok_q], q offsets, kv offsets, ok
@@ -143,7 +148,7 @@ def prepare(layout: Any, cu_q: torch.Tensor, cu_kv: torch.Tensor, tokens: Tuple[
     """(seq_q, seq_kv, tok_q, offsets, ok) as `varlen.prepare_unchecked` makes them, from one
     launch; None where this kernel does not serve (see the module docstring). check=True: the
     kernel also asserts the flag on the device (the caller needs no assertion of its own)."""
-    if not cu_q.is_cuda or len(layout.q_mults) > 2 or len(layout.kv_mults) > 2 or layout.batch_bucket > MAX_BATCH_BUCKET:
+    if not cu_q.is_cuda or len(layout.q_mults) > 3 or len(layout.kv_mults) > 2 or layout.batch_bucket > MAX_BATCH_BUCKET:
         return None
     got = _kernel()
     if got is None:

@@ -7,7 +7,8 @@ builds a handful of graphs (the graph key never holds the token count or the exa
 
 Per call (`prepare`), from cu_seqlens and the padded offsets, with no host sync: seq_q / seq_kv
 (B_bucket, 1, 1, 1) int32 lengths and the ragged element offsets (B_bucket + 1, 1, 1, 1) int32 =
-token offset * (heads * head dim) for each multiplier the graph uses, plus the value checks as
+token offset * (heads * head dim) for each multiplier the graph uses (heads alone for the
+per-token Stats rows), plus the value checks as
 one asynchronous device assertion. On CUDA without padded offsets one Triton kernel does it all
 (`thd_kernel`); otherwise a few torch ops. Memoized per (tensor, version) so a step's backward
 reuses its forward's tensors.
@@ -24,8 +25,9 @@ from ...memo import BoundedMemo
 from ...validation import within
 from . import thd_kernel
 
-__all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "prepare_unchecked", "gather_lse",
-           "check_offset_range", "check_offset_ranges", "scatter_lse", "MIN_SEQ_BUCKET", "INVALID_CU_SEQLENS"]
+__all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "prepare_unchecked",
+           "check_offset_range", "check_offset_ranges", "token_positions", "token_rows_of_empty_kv", "MIN_SEQ_BUCKET",
+           "INVALID_CU_SEQLENS"]
 
 MIN_SEQ_BUCKET = 128  # cuDNN's key tiles are 128 wide; 64 would also be a key length 64 mod 128 (see DESIGN)
 _INT32_MAX = 2**31 - 1
@@ -48,7 +50,8 @@ def bucket_seqlen(max_seqlen: int) -> int:
 @dataclass
 class ThdLayout:
     """Per-plan constants of the prep: the real batch, its bucket, the offset multipliers of
-    the q side and kv side (heads * head dim of q/o and k/v), the gather index extending
+    the q side and kv side (heads * head dim of q/o and k/v; the q side also heads, for the
+    per-token Stats rows), the gather index extending
     (B+1,) offsets to (B_bucket+1,), and whether q and kv share one cu_seqlens tensor."""
 
     batch: int
@@ -196,7 +199,7 @@ def _prepare_ops(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) 
     offsets: Dict[Tuple[str, int], torch.Tensor] = {}
     shared_tokens = n == 1 and pad_q is None and pad_kv is None
     for side, tok, mults in (("q", tok_q, layout.q_mults), ("kv", tok_kv, layout.kv_mults)):
-        if side == "kv" and shared_tokens and layout.kv_mults == layout.q_mults:
+        if side == "kv" and shared_tokens and set(layout.kv_mults) <= set(layout.q_mults):
             offsets.update({("kv", m): offsets[("q", m)] for m in mults})
             continue
         prod = tok.unsqueeze(0) * layout.mults(side)
@@ -261,14 +264,6 @@ def _ok_shared(ext: torch.Tensor, checked: torch.Tensor, tokens: int, limit: int
     return checked.clamp(0, limit).eq_(checked).all()
 
 
-def gather_lse(stats: torch.Tensor, thd: ThdBatch, total_tokens: int) -> torch.Tensor:
-    """Packed LSE (H, Tq) fp32 from padded Stats (B_bucket, H, S_bucket, 1); -inf off real tokens."""
-    b, i, valid = _token_index(thd, total_tokens, stats.shape[0], stats.shape[2])
-    lse = stats[b, :, i, 0]  # (Tq, H)
-    lse = lse.masked_fill(~valid[:, None], float("-inf"))
-    return lse.t().contiguous()
-
-
 def token_positions(starts: torch.Tensor, lengths: torch.Tensor, total_tokens: int, batch: int):
     """(b, i, valid) (T,) of each packed token: its sequence (of `batch`, from the (N+1,) token
     offsets `starts`), its position in it, and whether it is a real token (not a gap). No sync."""
@@ -277,27 +272,6 @@ def token_positions(starts: torch.Tensor, lengths: torch.Tensor, total_tokens: i
     b = torch.searchsorted(tok[1:], t, right=True).clamp_(max=batch - 1)
     i = t - tok[b]
     return b, i, (i >= 0) & (i < lengths.to(torch.int64)[b])
-
-
-def _token_index(thd: ThdBatch, total_tokens: int, buckets: int, rows: int):
-    """`token_positions` of the queries, positions clamped into the Stats rows."""
-    b, i, valid = token_positions(thd.tok_q, thd.seq_q.view(-1), total_tokens, buckets)
-    return b, i.clamp(0, rows - 1), valid
-
-
-def scatter_lse(lse: torch.Tensor, thd: ThdBatch, stats_shape: tuple) -> torch.Tensor:
-    """Padded Stats (B_bucket, H, S_bucket, 1) fp32 from a packed lse (H, Tq): the inverse of
-    `gather_lse` (positions that are no token hold -inf). A gather from the token side: no host
-    sync (a boolean-mask scatter reads its count on the host)."""
-    rows = stats_shape[2]
-    tokens = lse.shape[1]
-    if tokens == 0:
-        return torch.full(stats_shape, float("-inf"), dtype=torch.float32, device=lse.device)
-    pos = torch.arange(rows, device=lse.device)
-    index = (thd.tok_q[:-1].to(torch.int64).unsqueeze(1) + pos).clamp_(max=tokens - 1)  # (B_bucket, S)
-    valid = pos < thd.seq_q.view(-1, 1)
-    stats = torch.where(valid, lse.to(torch.float32)[:, index], float("-inf"))  # (H, B_bucket, S)
-    return stats.permute(1, 0, 2).unsqueeze(-1).contiguous()
 
 
 def token_rows_of_empty_kv(thd: ThdBatch, total_tokens: int) -> torch.Tensor:
