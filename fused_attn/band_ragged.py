@@ -30,6 +30,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .layouts import token_rows
 from .plan import Refusal, Varlen, _static_problem, get_plan
 from .problem import Band
 from .spec import AttentionSpec
@@ -136,8 +137,7 @@ def token_stats(lse: torch.Tensor) -> torch.Tensor:
     of the flat (B * S) rows, the layout a packed cuDNN runner reads (a packed call's tokens are
     rows of that buffer: the head's at their own rows, the body's from its first row on; rows
     outside a call's sequences are not read). The reference recomputes and ignores it."""
-    # contiguous: with one batch row the reshape is a strided view, and cuDNN reads dense rows
-    return lse.detach().to(torch.float32).transpose(1, 2).reshape(-1, lse.shape[1], 1).contiguous()
+    return token_rows(lse.detach().to(torch.float32)).unsqueeze(-1)
 
 
 def _thd_spec(spec: AttentionSpec, band: Optional[Band]) -> AttentionSpec:

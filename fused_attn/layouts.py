@@ -49,3 +49,9 @@ def dims(t: torch.Tensor, qkv_format: str) -> Tuple[int, int, int, int]:
     """(B, H, S, D) of a dense tensor in `qkv_format` (thd: (1, H, T, D))."""
     b, h, s, d = logical_shape(t, qkv_format)
     return b, h, s, d
+
+
+def token_rows(t: torch.Tensor) -> torch.Tensor:
+    """Values per (batch, head, position) (B, H, S) as rows of the flat (B * S) tokens: (B * S, H),
+    contiguous (one copy at most): the layout of a packed call's log-sum-exp rows."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()

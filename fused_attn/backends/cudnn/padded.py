@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from ...layouts import token_rows
 from ...plan import Varlen, bucket
 from .thd import ThdRunner
 
@@ -106,7 +107,7 @@ class PaddedAsThdRunner:
 
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
         sq = self.shape[1]
-        packed_lse = lse.permute(1, 0, 2).reshape(lse.shape[1], -1)  # (B, H, Sq) -> (H, B*Sq)
+        packed_lse = token_rows(lse).t()  # (B, H, Sq) -> (H, B*Sq), the transpose of token rows (one copy)
         return self._grads(self.runner.backward_with_lse(*self._inputs(q, k, v), self._packed(out, sq), packed_lse,
                                                          self._varlen(varlen), mod, sinks, self._packed(grad_out, sq)))
 
