@@ -187,10 +187,15 @@ class _ContextParallel(torch.autograd.Function):
         ctx.cp, ctx.comm = cp, comm
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.mark_non_differentiable(lse)
+        # no zero-filled gradient for lse (non-differentiable) per backward; None grad_out below
+        ctx.set_materialize_grads(False)
+        ctx.n_extras = len(extras)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
+        if grad_out is None:  # no gradient reached out: nothing to propagate
+            return (None,) * (5 + ctx.n_extras)
         query, key, value, out, lse = ctx.saved_tensors
         cp = ctx.cp
         bwd = cp_ring.ring_backward if ctx.comm == "ring" else cp_ring.allgather_backward
