@@ -43,6 +43,8 @@ class GraphKey:
     score_mod / operands: the mod's structural key and `describe_operands` of its graph inputs.
     stats_strides / grad_strides: Stats' strides and dQ, dK, dV's when the caller owns those
     buffers as views of larger tensors (a band's rectangles, `band_chunks`); None: dense.
+    token_capacity: (query, key) token counts a ragged backward is sized for (its workspace then
+    follows the tokens, not B_bucket x S_bucket); None: sized by the dims.
     """
 
     direction: str
@@ -68,6 +70,7 @@ class GraphKey:
     dropout: float = 0.0
     stats_strides: Optional[Dims] = None
     grad_strides: Optional[Tuple[Dims, Dims, Dims]] = None
+    token_capacity: Optional[Tuple[int, int]] = None
     _hash: int = field(default=0, init=False, repr=False, compare=False)
     _key: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -93,6 +96,7 @@ class GraphKey:
             self.k_strides, self.v_strides, self.o_strides, self.scale, self.band, self.padding,
             self.ragged, self.score_mod, self.operands, self.deterministic, self.device_index,
             self.backend_version, self.bias, self.sinks, self.dropout, self.stats_strides, self.grad_strides,
+            self.token_capacity,
         )
 
     def __hash__(self) -> int:
@@ -121,6 +125,8 @@ class GraphKey:
             parts.append(f"dropout {self.dropout}")
         if self.deterministic:
             parts.append("deterministic")
+        if self.token_capacity is not None:
+            parts.append(f"token capacity {self.token_capacity[0]} / {self.token_capacity[1]}")
         return ", ".join(parts)
 
 

@@ -31,6 +31,7 @@ CHANGES = {
     "device_index": 1, "backend_version": 91900, "bias": ((1, 4, 128, 128), (65536, 16384, 128, 1), "float32", True),
     "sinks": True, "dropout": 0.1, "stats_strides": (4 * 512, 512, 1, 1),
     "grad_strides": ((32768, 64, 256, 1), (16384, 64, 128, 1), (8192, 32, 64, 1)),
+    "token_capacity": (4096, 2048),
 }
 
 

@@ -222,6 +222,19 @@ def test_thd_ragged_offsets(direction):
     assert sdpa_node(graph).params["use_padding_mask"] is True
 
 
+def test_token_capacity_sizes_the_ragged_backward():
+    import dataclasses
+
+    key = dataclasses.replace(thd_key("bwd"), token_capacity=(512, 256))
+    graph, _ = construct(key)
+    graph.validate()
+    params = sdpa_node(graph).params
+    assert (params["max_total_seq_len_q"], params["max_total_seq_len_kv"]) == (512, 256)
+    assert key != thd_key("bwd") and "token capacity 512 / 256" in key.describe()
+    plain = sdpa_node(construct(thd_key("bwd"))[0]).params
+    assert plain.get("max_total_seq_len_q") is None
+
+
 def test_dense_stats_stay_packed():
     for direction in ("fwd", "bwd"):
         key, _ = dense_key(direction, "bshd")

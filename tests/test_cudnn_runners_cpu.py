@@ -49,7 +49,9 @@ def stub(monkeypatch):
     def fake_build(key, mod, templates, handle):
         graph, named = graphs.construct(key, mod, templates)
         dims = {s: (list(t.dim), list(t.stride)) for s, t in named.items()}
-        return graphs.CompiledGraph(dims, tuple(named), [0] * len(named), 0, None)
+        compiled = graphs.CompiledGraph(dims, tuple(named), [0] * len(named), 0, None)
+        compiled.ragged = key.ragged
+        return compiled
 
     def fake_execute(compiled, bind, device_index):
         missing = set(compiled.slots) - set(bind)
@@ -85,14 +87,6 @@ def stub(monkeypatch):
     scratch = {}
     monkeypatch.setattr(runtime, "scratch_for",
                         lambda index, numel: scratch.setdefault(numel, torch.empty(numel)))
-    orig_get = common.Graphs.get
-
-    def get(self, direction):
-        compiled = orig_get(self, direction)
-        compiled.ragged = self.keys[direction].ragged
-        return compiled
-
-    monkeypatch.setattr(common.Graphs, "get", get)
     yield executed
     GRAPH_CACHE.clear()
 
@@ -607,3 +601,28 @@ def test_compiled_calls_build_their_graphs_for_their_own_tensor_shapes(stub):
         keys = [p.runner.graphs.keys["fwd"] for p in list(PLANS._entries.values())]
         graphs.append(keys[-1].bias[0])
     assert graphs == [(1, 2, 128, 128), (1, 2, 256, 256), (2, 2, 128, 128)]
+
+
+def test_large_packed_backward_is_sized_by_its_tokens(stub, monkeypatch):
+    """A packed backward whose padded dQ workspace (B_bucket x S_bucket x H x D fp32) is large and
+    at least 4x the token-sized one runs a graph built for the token capacity; small ones, and
+    token counts too close to the padded size, keep the plan's own graph."""
+    from fused_attn.backends.cudnn import thd
+
+    q, k, v = (bf16(300, 2, 64) for _ in range(3))
+    cu = torch.tensor([0, 10, 20, 300], dtype=torch.int32)  # 3 sequences: a (4, 2, 512, 64) graph
+    varlen = Varlen(cu, cu, None, None, 280, 280)
+    runner, mod = runner_for(q, k, v, varlen, backend="cudnn", qkv_format="thd", attn_mask_type="causal")
+    assert runner._padded_workspace == 4 * 512 * 2 * 64 * 4
+    assert runner.token_sized_key(300, 300) is None  # 1 MiB: under the bound
+    monkeypatch.setattr(thd, "TOKEN_SIZED_WORKSPACE_BYTES", 0)
+    key = runner.token_sized_key(300, 300)
+    assert key.token_capacity == (512, 512) and key.direction == "bwd"
+    assert runner.token_sized_key(300, 300) is key  # one key per capacity
+    assert runner.token_sized_key(600, 600) is None  # 4 x 1024 token rows > the 2048 padded rows
+    built = []
+    real_build = common.build
+    monkeypatch.setattr(common, "build", lambda key, *rest: (built.append(key), real_build(key, *rest))[1])
+    full_cycle(runner, q, k, v, varlen, mod, None, [])
+    assert [b.token_capacity for b in built if b.direction == "bwd"] == [(512, 512)]
+

@@ -65,9 +65,30 @@ def softcap_fn(cap):
     return lambda s, b, h, i, j: cap * torch.tanh(s / cap)
 
 
+def token_sized_backward(monkeypatch):
+    """Every packed backward the ragged runner serves runs its token-sized graph (max_total_seq_len,
+    normally only for large workspaces); returns the list of token capacities run."""
+    from fused_attn.backends.cudnn import common, thd
+
+    monkeypatch.setattr(thd, "TOKEN_SIZED_WORKSPACE_BYTES", 0)
+    monkeypatch.setattr(thd, "TOKEN_SIZED_RATIO", 1)
+    ran = []
+    real = common.Graphs.run_variant
+
+    def spy(self, direction, key, bind):
+        ran.append(key.token_capacity)
+        return real(self, direction, key, bind)
+
+    monkeypatch.setattr(common.Graphs, "run_variant", spy)
+    return ran
+
+
+@pytest.mark.parametrize("token_sized", [False, True], ids=["dims_sized", "token_sized"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
-def test_thd_vs_reference(case, dtype):
+def test_thd_vs_reference(case, dtype, token_sized, monkeypatch):
+    if token_sized:
+        token_sized_backward(monkeypatch)
     torch.manual_seed(11)  # the same inputs whatever ran before in this worker
     case = dict(case)
     lens_q, lens_kv = case.pop("lens_q"), case.pop("lens_kv")
@@ -114,6 +135,26 @@ def test_thd_vs_reference(case, dtype):
                               ("dv", grads[2], rest_kv)):
             assert_close(t[rest], torch.zeros_like(t[rest]), 0.0, f"{name} between sequences")
         assert_close(lse[:, rest_q], torch.full_like(lse[:, rest_q], -math.inf), 0.0, "lse between sequences")
+
+
+def test_token_sized_backward_runs_and_matches(monkeypatch):
+    """The token-sized backward graph is the one that runs (capacity: the next power of two of the
+    token counts), and its gradients match float64 per sequence."""
+    ran = token_sized_backward(monkeypatch)
+    torch.manual_seed(5)
+    lens = [300, 17, 700, 1]
+    cq = cu(lens)
+    t = int(cq[-1])
+    q, k, v = (torch.randn(t, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(t, 8, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse, grads = run(q, k, v, grad, cu_seqlens_q=cq, cu_seqlens_kv=cq, max_seqlen_q=700, max_seqlen_kv=700,
+                          attn_mask_type="causal")
+    assert ran == [(1024, 1024)]
+    offsets = cq.tolist()
+    for b, n in enumerate(lens):
+        a = offsets[b]
+        check(seq(out, a, n), lse[:, a:a + n][None], [seq(g, a, n) for g in grads], seq(q, a, n), seq(k, a, n),
+              seq(v, a, n), seq(grad, a, n), 1 / math.sqrt(64), sequence_mask(n, n, "causal", None), f"sequence {b} ")
 
 
 def test_graph_builds_bounded_over_random_batches():

@@ -35,6 +35,8 @@ class Graphs:
                       "bwd": fwd_parts if bwd_lowering is None else (bwd_lowering[0], _templates(bwd_lowering[1]))}
         self.device_index = device_index
         self._builders = {d: self._builder(d, k) for d, k in self.keys.items() if k is not None}
+        # variant key -> builder; bounded by its callers (one per power-of-two token bucket)
+        self._variants: Dict[GraphKey, Callable[[], CompiledGraph]] = {}
 
     def _builder(self, direction: str, key: GraphKey) -> Callable[[], CompiledGraph]:
         mod, templates = self.parts[direction]
@@ -70,6 +72,14 @@ class Graphs:
 
     def run(self, direction: str, bind: Dict[str, Any]) -> None:
         runtime.execute(self.get(direction), bind, self.device_index)
+
+    def run_variant(self, direction: str, key: GraphKey, bind: Dict[str, Any]) -> None:
+        """Run `key`, a variant of the direction's key built from the same lowering (e.g. a
+        backward sized for a token count). Raises NotImplementedError when cuDNN declines it."""
+        builder = self._variants.get(key)
+        if builder is None:
+            builder = self._variants.setdefault(key, self._builder(direction, key))
+        runtime.execute(GRAPH_CACHE.get_or_build(key, builder), bind, self.device_index)
 
 
 def _templates(operands: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

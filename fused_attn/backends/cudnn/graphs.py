@@ -280,6 +280,8 @@ def construct(key: GraphKey, score_mod: Any = None, operand_templates: Optional[
         kw = _common_kwargs(b, score_mod, operand_templates or {}, backward=True)
         if key.deterministic:
             kw["use_deterministic_algorithm"] = True
+        if key.token_capacity is not None:  # workspace sized by the tokens (see thd.ThdRunner)
+            kw["max_total_seq_len_q"], kw["max_total_seq_len_kv"] = key.token_capacity
         if key.bias is not None and key.bias[3]:
             dims, _, dtype, _ = key.bias
             kw["dBias"] = b.tensor("dBias", dims, _dense_strides(dims), _DTYPE_BY_NAME[dtype](cudnn))
