@@ -226,15 +226,12 @@ def saved_shape(problem: Any, query_rows: int) -> Tuple[int, ...]:
     """The fp32 Stats shape a runner saves: (B, H, Sq, 1) for dense graphs, (Tq, H, 1) for packed
     ones (one row per query token; dense padded plans run as packed sequences of B * Sq rows).
     query_rows: the query's first dim (Tq of a packed call)."""
+    rows = query_rows
     if _padded_as_thd(problem):
         from .padded import thd_problem
 
         rows = problem.batch * problem.seqlen_q
         problem = thd_problem(problem)
-        if not runs_as_dense(problem):
-            return (rows, problem.heads, 1)
-    if runs_as_dense(problem):  # the dense graph's Stats
+    if runs_as_dense(problem) or not problem.is_packed:  # the dense graph's Stats
         return (problem.batch, problem.heads, problem.seqlen_q, 1)
-    if not problem.is_packed:
-        return (problem.batch, problem.heads, problem.seqlen_q, 1)
-    return (query_rows, problem.heads, 1)
+    return (rows, problem.heads, 1)
