@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
 # The GPU half of the checks on a CUDA machine: the gpu-marked tests (the distributed ones when two
-# or more GPUs are present), then the benchmarks; logs, tables and CSVs go to OUTDIR.
-# Usage: bash benchmarks/gpu_suite.sh OUTDIR [quick|full] [all|tests|bench]
+# or more GPUs are present), then the benchmarks; logs, tables and CSVs go to OUTDIR/cudnn-<version>.
+# Usage: bash benchmarks/gpu_suite.sh OUTDIR [quick|full] [all|tests|bench] [CUDNN]
+#   CUDNN: the cuDNN this run is meant for, e.g. 9.19 (torch 2.11's pin) or 9.27 (install it with
+#   `pip install 'nvidia-cudnn-cu13==9.27.*'` in place of torch's copy); the run stops when the loaded
+#   library is another one. "any" (default) takes whatever loads.
+# A test that breaks the CUDA context (an illegal address) ends its pytest-xdist worker
+# (tests/cuda_isolation.py), so the failure stays with that test.
 set -uo pipefail
-out=${1:?usage: gpu_suite.sh OUTDIR [quick|full] [all|tests|bench]}
+out=${1:?usage: gpu_suite.sh OUTDIR [quick|full] [all|tests|bench] [CUDNN]}
 mode=${2:-quick}
 what=${3:-all}
+want=${4:-any}
+loaded=$(python3 -c "import cudnn; v = cudnn.backend_version(); print(f'{v // 10000}.{v // 100 % 100}')") || exit 1
+if [ "$want" != any ] && [ "$want" != "$loaded" ]; then
+    echo "gpu_suite.sh: asked for cuDNN $want, but cuDNN $loaded is loaded" >&2; exit 2
+fi
+out="$out/cudnn-$loaded"
 mkdir -p "$out"
 python3 -c "import torch, cudnn; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', cudnn.backend_version_string(), 'frontend', cudnn.__version__, torch.cuda.get_device_name(), 'x', torch.cuda.device_count())" | tee "$out/versions.txt"
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 rc=0
 if [ "$what" != bench ]; then
     extra=()
-    if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n 4); fi  # a crashing test costs one worker
+    if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n 8 -p cuda_isolation); fi
     if python3 -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout 300); fi
-    python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE "${extra[@]}" \
-        --ignore tests/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1
+    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE \
+        "${extra[@]}" --ignore tests/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1
     tail -45 "$out/gpu_tests.log"
     if [ "$ngpu" -ge 2 ]; then
         python3 -m pytest -q -m gpu tests/test_distributed_gpu.py -p no:cacheprovider -rfE \

@@ -59,11 +59,13 @@ NO_VARLEN = Varlen()
 
 
 class Explanation(NamedTuple):
-    """What `explain` reports: the backend a call runs on and why."""
+    """What `explain` reports: the backend a call runs on and why, and the names of the
+    backend's known faults (quirks) whose workarounds shaped the plan."""
 
     backend: str
     reason: str
     problem: str
+    quirks: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -346,4 +348,4 @@ def explain_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
         plan = get_plan(spec, mod, q, k, v, varlen, sinks)
-    return Explanation(plan.backend, plan.reason, plan.problem.describe())
+    return Explanation(plan.backend, plan.reason, plan.problem.describe(), tuple(getattr(plan.runner, "quirks", ())))

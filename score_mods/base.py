@@ -73,6 +73,12 @@ class ScoreMod(abc.ABC):
         """True if `lower_backward` can produce the cuDNN backward callback."""
         return True
 
+    @property
+    def irregular_mask(self) -> bool:
+        """True when a mask condition reads a graph input that varies along kv_idx (document ids,
+        2-D neighbourhoods): a backend may refuse such masks' backward (see the cuDNN quirks)."""
+        return False
+
     def check(self, *, device: torch.device, batch: int, heads: int, seqlen_q: int, seqlen_kv: int) -> None:
         """Validate tensor parameters against the problem; raise ValueError/TypeError naming them."""
 

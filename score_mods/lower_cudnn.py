@@ -70,13 +70,6 @@ IN_GRAPH: Dict[str, Optional[str]] = {
     "gather": None,            # no gather in the pointwise language: views or materializations only
 }
 
-#: cuDNN's backward recomputed irregular masks wrongly on H100/H200 (document ids; 2-D
-#: neighbourhoods: dQ off by up to 4.0) while the forward was right. While False, a mod whose
-#: where() condition reads a graph input that varies along kv_idx (a tensor view or a
-#: materialized operand) reports has_backward = False (its gradients come from the reference
-#: backend); conditions over query-axis inputs only were measured right (H200, cuDNN 9.19).
-IRREGULAR_MASK_BACKWARD = False
-
 #: recipe -> (table entries it needs, builder of the expansion over the op's arguments)
 #: (Recipes build ops that go through this table again: "div" inside floor_div follows IN_GRAPH["div"].)
 RECIPES: Dict[str, Tuple[Tuple[str, ...], Callable[..., Node]]] = {

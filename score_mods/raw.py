@@ -209,6 +209,10 @@ class ChainMod(ScoreMod):
         return all(p.has_backward for p in self.parts)
 
     @property
+    def irregular_mask(self) -> bool:
+        return any(p.irregular_mask for p in self.parts)
+
+    @property
     def needs_host_lengths(self) -> bool:
         return any(getattr(p, "needs_host_lengths", False) for p in self.parts)
 

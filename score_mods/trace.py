@@ -435,16 +435,15 @@ class TracedMod(ScoreMod):
         return lower_cudnn.plan_for(self.root)
 
     @property
-    def has_backward(self) -> bool:
-        """False when a mask condition reads a tensor parameter or a materialized operand that
-        varies along kv_idx (document ids, 2-D neighbourhoods, ...): measured on H100/H200,
-        cuDNN's backward recomputes such irregular masks wrongly (document masks ~100% off, 2-D neighbourhood
-        masks dQ off by up to 4.0) while the forward is right, so their gradients come from the
-        reference backend. `lower_cudnn.IRREGULAR_MASK_BACKWARD = True` lifts this once a GPU
-        probe shows the engines right."""
-        got = self.__dict__.get("_has_backward")
+    def irregular_mask(self) -> bool:
+        """True when a mask condition reads a tensor parameter or a materialized operand that
+        varies along kv_idx (document ids, 2-D neighbourhoods, ...): the cuDNN backend refuses
+        such masks' backward where its quirk `irregular_mask_backward` applies (the engines
+        recompute them wrongly: document masks ~100% off, 2-D neighbourhoods dQ off by up to
+        4.0, while the forward is right)."""
+        got = self.__dict__.get("_irregular_mask")
         if got is None:
-            got = self._has_backward = lower_cudnn.IRREGULAR_MASK_BACKWARD or not self.plan.mask_reads_key_inputs
+            got = self._irregular_mask = bool(self.plan.mask_reads_key_inputs)
         return got
 
     @property

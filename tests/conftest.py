@@ -127,6 +127,14 @@ def naive() -> Callable:
     return naive_attention
 
 
+def quirk_applies(name: str) -> bool:
+    """Whether the cuDNN quirk `name` applies on the cuDNN this process loaded (GPU tests: a
+    refusal is expected exactly where its entry says)."""
+    from fused_attn.backends.cudnn import quirks, version
+
+    return quirks.applies(name, version.backend_version())
+
+
 def axis_bias_mods(w: torch.Tensor):
     """(query_bias, key_bias): `score + w[q_idx]` and `score + w[kv_idx]` bound to the (S,) table w:
     the two sides of cuDNN 9.19's key-axis backward fault (tests of the refusal boundary)."""

@@ -259,7 +259,7 @@ def test_score_mod_without_backward_raises_at_backward():
     half = lambda s, *_: s * 0.5
     check(to_logical(out, "bshd"), *(to_logical(t, "bshd") for t in (q, k, v)), 1 / math.sqrt(64), score_fn=half)
     # gradients required: refused up front (auto would pick the reference), not after the forward
-    with pytest.raises(NotImplementedError, match="fwd_only_scale.*no correct cuDNN backward"):
+    with pytest.raises(NotImplementedError, match="fwd_only_scale.*has no cuDNN backward"):
         fused_attn.dot_product_attention(q, k, v, backend="cudnn", score_mod=Fwd())
 
 

@@ -15,6 +15,7 @@ import torch
 
 import fused_attn
 from fused_attn.testing import assert_close, bound_from, grad_tolerances, reference_attention, tolerance
+from conftest import quirk_applies
 from test_score_mods_gym import CASES, Case, fresh_tables, oracle_mask, params
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -25,11 +26,11 @@ DTYPES = [torch.bfloat16, torch.float16]
 # Expected refusals, by case id and phase ("forward": any call; "backward": a call with inputs that
 # require grad). No port is refused forward. Masks whose condition reads a graph input that varies
 # along the keys (a tensor view: ids[kv_idx], spans, flags; or a materialized operand: bit-twiddled
-# Morton coordinates, tile maps) report has_backward = False: cuDNN 9.19's backward was measured
-# wrong for them, so with gradients required cuDNN refuses. Conditions over query-axis inputs only
+# Morton coordinates, tile maps) report irregular_mask: where the cuDNN quirk irregular_mask_backward
+# applies, with gradients required cuDNN refuses. Conditions over query-axis inputs only
 # (document starts per query) and index arithmetic with //, %, clamp (NATTEN, STA, block
 # diffusion, ...) were measured exact in the backward: those ports keep their cuDNN backward.
-_NO_BACKWARD = "has no correct cuDNN backward"
+_NO_BACKWARD = "irregular_mask_backward"
 REFUSED = {
     **{cid: {"backward": _NO_BACKWARD} for cid in (
         "global_sliding_window_1", "global_sliding_window_s1",
@@ -47,7 +48,7 @@ DECLINED_BY_ENGINE = {"shared_prefix_5docs": {"backward": "cuDNN cannot run this
 
 
 def test_refusal_list_matches_the_ports():
-    """Runs everywhere: REFUSED is exactly what the ports report (has_backward, cudnn_unsupported),
+    """Runs everywhere: REFUSED is exactly what the ports report (irregular_mask, cudnn_unsupported),
     so a port that gains or loses a refusal shows up here before any GPU run."""
     got = {}
     for c in CASES.values():
@@ -55,7 +56,7 @@ def test_refusal_list_matches_the_ports():
         phases = {}
         if port.cudnn_unsupported:
             phases["forward"] = port.cudnn_unsupported
-        elif not port.has_backward:
+        elif port.irregular_mask:
             phases["backward"] = _NO_BACKWARD
         if phases:
             got[c.id] = phases
@@ -92,6 +93,8 @@ def _oracle(c: Case):
 
 def _expect(c: Case, phase: str):
     reason = REFUSED.get(c.id, {}).get(phase) or DECLINED_BY_ENGINE.get(c.id, {}).get(phase)
+    if reason == _NO_BACKWARD and not quirk_applies("irregular_mask_backward"):
+        reason = None
     return pytest.raises(NotImplementedError, match=reason) if reason else None
 
 

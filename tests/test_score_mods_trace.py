@@ -307,6 +307,6 @@ def test_document_mask_runs_equal_the_equality_form_for_packed_documents(batched
     m_eq = eq.eager(s, 0, 0, i.view(-1, 1), i.view(1, -1), 48, 48) == 0
     m_runs = runs.eager(s, 0, 0, i.view(-1, 1), i.view(1, -1), 48, 48) == 0
     assert m_runs[0, 0, 0, 1] and not m_runs[0, 0, 0, 4] and m_eq[0, 0, 0, 4]
-    assert runs.has_backward and not eq.has_backward
+    assert not runs.irregular_mask and eq.irregular_mask
     with pytest.raises(TypeError, match="contiguous must be a bool"):
         sm.document_mask(back, contiguous=1)

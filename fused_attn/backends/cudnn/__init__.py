@@ -17,7 +17,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ...problem import Band
-from . import version
+from . import quirks, version
 
 __all__ = ["refusal", "make_runner", "saved_shape"]
 
@@ -40,28 +40,32 @@ def refusal(problem: Any, keys_bounded: bool = False) -> Optional[str]:
             return f"the cuDNN backend needs a {name} head dim that is a multiple of 8 and <= {_MAX_HEAD_DIM}, got {dim}"
     if problem.seqlen_kv == 0 or problem.seqlen_q == 0:
         return "cuDNN graphs need at least one query and one key position (Sq or Skv is 0)"
-    if problem.needs_grad and problem.seqlen_q == 1 and problem.seqlen_kv == 1 and not problem.is_packed:
-        return "cuDNN's backward does not support s_q = s_kv = 1 (measured on cuDNN 9.19)"
+    ver = version.backend_version()
+    if (problem.needs_grad and problem.seqlen_q == 1 and problem.seqlen_kv == 1 and not problem.is_packed
+            and quirks.applies("sq1_skv1_backward", ver)):
+        return quirks.QUIRKS["sq1_skv1_backward"].refusal(ver, "a training call with Sq = Skv = 1")
     band = spec.band
     if (band is not None and band.bottom_right and spec.padding and problem.seqlen_q > problem.seqlen_kv):
         return (f"cuDNN's bottom-right band needs Sq <= Skv with padded batches, got Sq={problem.seqlen_q} > "
                 f"Skv={problem.seqlen_kv}")
     mod = spec.score_mod
     if mod is not None:
-        why = _mod_refusal(problem, mod, keys_bounded)
+        why = _mod_refusal(problem, mod, keys_bounded, ver)
         if why is not None:
             return why
     return version.unavailable_reason()
 
 
-def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False) -> Optional[str]:
+def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False, ver: Optional[int] = None) -> Optional[str]:
+    ver = version.backend_version() if ver is None else ver
     why = getattr(mod, "cudnn_unsupported", None)
     if why:
         return why
     if problem.needs_grad and not mod.has_backward:
-        return (f"score_mod {mod.name!r} has no correct cuDNN backward and gradients are required (cuDNN 9.19 "
-                "recomputes masks that read graph inputs wrongly: document ids, bit-twiddled positions; packed "
-                "documents run as sequences with fused_attn.doc_packed_attn or thd)")
+        return f"score_mod {mod.name!r} has no cuDNN backward (a raw callback without score_mod_bprop)"
+    if problem.needs_grad and mod.irregular_mask and quirks.applies("irregular_mask_backward", ver):
+        return quirks.QUIRKS["irregular_mask_backward"].refusal(
+            ver, f"score_mod {mod.name!r} with gradients required (its mask reads a graph input along the keys)")
     if mod.needs_host_lengths and problem.has_lengths:
         return (f"score_mod {mod.name!r} compares positions against per-sequence lengths "
                 "(bottom-right alignment), which cuDNN computes wrongly on packed or padded batches")
@@ -73,7 +77,7 @@ def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False) -> Optional
     score_part, bias_part = _parts(problem, mod)
     if (problem.has_lengths and score_part is not None and not _runs_as_band(score_part, problem)
             and not keys_bounded):
-        why = _key_tail_refusal(problem)
+        why = _key_tail_refusal(problem, ver)
         if why is not None:
             if not problem.is_packed:
                 return None if _padded_as_thd(problem) else why  # its packed form bounds the keys
@@ -82,26 +86,24 @@ def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False) -> Optional
             why_dense = dense_refusal(problem, refusal)  # the padded dense batch checks the rest
             return None if why_dense is None else f"{why} (the padded dense form that serves such calls: {why_dense})"
     batch_only = () if score_part is None else getattr(getattr(score_part, "plan", None), "batch_broadcast_operands", ())
-    if batch_only:
-        return (f"score_mod {mod.name!r} reads {', '.join(batch_only)} inside the graph in a mask or product: an "
-                "input that varies along the batch only ((B, 1|H, 1, 1), a per-sequence scalar such as lens[b]), "
-                "which cuDNN 9.19 reads wrongly there (measured on H200: outputs off by O(1)); index it along the "
-                "keys or queries as well (e.g. a (B, Skv) table read at [b, kv_idx]), or use backend='reference'")
-    if problem.needs_grad and score_part is not None:
+    if batch_only and quirks.applies("batch_broadcast_operand", ver):
+        return quirks.QUIRKS["batch_broadcast_operand"].refusal(
+            ver, f"score_mod {mod.name!r} reads {', '.join(batch_only)} inside the graph in a mask or product")
+    if problem.needs_grad and score_part is not None and quirks.applies("kv_broadcast_operand_backward", ver):
         plan = getattr(score_part, "plan", None)
         kv_only = () if plan is None else plan.kv_broadcast_operands
         if kv_only:
-            return (f"score_mod {mod.name!r} reads {', '.join(kv_only)} inside the graph: an input that varies "
-                    "along the keys only (a (.., 1, Skv) view such as w[kv_idx]), which cuDNN 9.19's backward reads "
-                    "wrongly (measured on H200: dQ/dK/dV off by O(1) while the forward is right); pass the term as "
-                    "a full (.., Sq, Skv) bias (post_scale_bias), or use backend='reference'")
+            return quirks.QUIRKS["kv_broadcast_operand_backward"].refusal(
+                ver, f"score_mod {mod.name!r} reads {', '.join(kv_only)} inside the graph with gradients required")
     facts = mod.trainable() if hasattr(mod, "trainable") else {}
     axes = _tensor_axes(mod)
     bias_names = set() if bias_part is None else set(_tensor_axes(bias_part))
     for name, shape, _stride, dtype, _device, requires_grad in problem.mod_tensors:
-        if problem.is_packed and "b" in axes.get(name, ()) and shape[0] != 1:
-            return (f"score_mod tensor parameter {name!r} is indexed by the batch (sequence) index on a packed (thd) "
-                    "batch: cuDNN's engines read per-sequence graph inputs wrongly in ragged graphs (measured)")
+        if (problem.is_packed and "b" in axes.get(name, ()) and shape[0] != 1
+                and quirks.applies("ragged_batch_operand", ver)):
+            return quirks.QUIRKS["ragged_batch_operand"].refusal(
+                ver, f"score_mod tensor parameter {name!r} is indexed by the batch (sequence) index on a packed "
+                     "(thd) batch")
         if problem.is_packed and name in bias_names:
             return (f"score_mod tensor parameter {name!r} is an additive bias over query/key positions of a packed "
                     "(thd) batch; pass it through a dense (padded) batch or use backend='reference'")
@@ -111,10 +113,10 @@ def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False) -> Optional
         if name not in bias_names or (fact is not None and not fact.bias_only):
             return (f"score_mod tensor parameter {name!r} requires grad, but cuDNN gives gradients only to an "
                     "additive bias term (score_mod(score) + g(tables, positions), as post_scale_bias)")
-        if score_part is not None and not _runs_as_band(score_part, problem):
-            return (f"score_mod tensor parameter {name!r} requires grad next to another score_mod term: cuDNN's dBias "
-                    "is wrong when the graph also has a score_mod callback (measured on cuDNN 9.19); train the bias "
-                    "alone (post_scale_bias) or use backend='reference'")
+        if (score_part is not None and not _runs_as_band(score_part, problem)
+                and quirks.applies("dbias_next_to_score_mod", ver)):
+            return quirks.QUIRKS["dbias_next_to_score_mod"].refusal(
+                ver, f"score_mod tensor parameter {name!r} requires grad next to another score_mod term")
     return None
 
 
@@ -138,23 +140,24 @@ def runs_as_dense(problem: Any) -> bool:
             and _key_tail_refusal(problem) is not None)
 
 
-def _key_tail_refusal(problem: Any) -> Optional[str]:
+def _key_tail_refusal(problem: Any, ver: Optional[int] = None) -> Optional[str]:
     """Why a score_mod callback on a packed or padded batch would reach keys past a sequence's
-    length, or None. Next to a score_mod cuDNN 9.19's ragged graphs apply no key-length mask
-    (measured on H200: softcap without a mask off by O(1) wherever a sequence's key count leaves
-    a partial tile), and per-sequence graph inputs are read wrongly, so no mask in the callback
-    can bound the keys either. A top-left band with right bound 0 keeps query i on keys j <= i,
+    length, or None (quirk `ragged_key_tail_next_to_score_mod`: no key-length mask next to a
+    score_mod, and per-sequence graph inputs are read wrongly, so no mask in the callback can
+    bound the keys either). A top-left band with right bound 0 keeps query i on keys j <= i,
     inside the sequence exactly when no sequence has more queries than keys: guaranteed when
     queries and keys share one cu_seqlens tensor (self-attention, documents)."""
+    ver = version.backend_version() if ver is None else ver
+    if not quirks.applies("ragged_key_tail_next_to_score_mod", ver):
+        return None
     band = problem.spec.band
     if band is not None and band.right == 0 and not band.bottom_right and problem.same_lengths:
         return None
     got = "no mask" if band is None else f"{band}" + ("" if problem.same_lengths else " with separate query and key "
                                                       "cu_seqlens")
-    return (f"a score_mod on a packed (thd) or padded batch runs on cuDNN only under a top-left causal mask (or "
-            f"causal window) over queries and keys of one cu_seqlens tensor, got {got}: next to a score_mod, cuDNN "
-            "9.19's ragged graphs do not mask keys past each sequence's length (measured: outputs off by O(1)), and "
-            "only that mask keeps every query off them; use backend='reference'")
+    return quirks.QUIRKS["ragged_key_tail_next_to_score_mod"].refusal(
+        ver, f"a score_mod on a packed (thd) or padded batch with {got} (cuDNN serves it only under a top-left "
+             "causal mask or causal window over queries and keys of one cu_seqlens tensor)")
 
 
 def _runs_as_band(score_part: Any, problem: Any) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from ...cache import GraphKey
 from . import lowering as L
-from . import runtime
+from . import quirks, runtime
 from .common import (Graphs, check_runtime_tensors, dropout_rng, grad_output, operand_description, rng_views,
                      sinks_view)
 from .graphs import dense_strides_like
@@ -131,37 +131,40 @@ class DenseRunner:
         common["stats_strides"] = None
         bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
         self.kv_pad, bwd_lowering = 0, None
-        if p.needs_grad and not self.padding and skv % 128 == 64 and (self.has_mod or bias is not None):
+        if (p.needs_grad and not self.padding and skv % 128 == 64 and (self.has_mod or bias is not None)
+                and quirks.applies("nan_dq_kv_64_mod_128", version)):
             bwd_key, bwd_lowering = self._padded_backward(common, bias_desc, version)
+        self.quirks = _shaping_quirks(version, self.has_mod, self.kv_pad, self.lowering.band is not None
+                                      or spec.band is not None)
         self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev, bwd_lowering)
         self.graphs.build_all()
 
     def _padded_backward(self, common: dict, bias_desc: Optional[tuple], version: int):
-        """cuDNN 9.19's backward writes NaN into dQ when the key length is 64 mod 128 and a row's
-        lse is below about -88.7 (reachable through a bias or a score_mod; fixed in cuDNN 9.26).
-        Measured exact instead: keys padded by 64 to a multiple of 128 and masked past the real
-        length (cuDNN's padding mask, or the padding score_mod next to a score_mod). The forward
-        is unaffected and stays unpadded; the backward copies K, V (and the bias) into padded
-        buffers."""
+        """Quirk `nan_dq_kv_64_mod_128` (NaN in dQ when the key length is 64 mod 128 and a row's
+        lse is below about -88.7). Measured exact instead: keys padded by 64 to a multiple of 128
+        and masked past the real length (cuDNN's padding mask, or the padding score_mod next to a
+        score_mod). The forward is unaffected and stays unpadded; the backward copies K, V (and
+        the bias) into padded buffers. Where the padded form crashes the planner (a bias next to
+        a score_mod; a score_mod without a causal mask, measured with softcap, ALiBi and
+        relative-position mods; lengths folded on the host) the plan is refused."""
         from ...plan import Refusal
 
         spec, p = self.static.spec, self.static
+        quirk = quirks.QUIRKS["nan_dq_kv_64_mod_128"]
         if self.into is not None and self.into.grads[0] is not None:
             raise Refusal("a caller-owned dQ layout with the padded-key backward (keys 64 mod 128)")
         if self.lowering.bias is not None and self.has_mod:
-            raise Refusal("a key length 64 mod 128 with a bias next to a score_mod: cuDNN 9.19's backward can write NaN "
-                          "into dQ there, and its padded-key formulation (seq_len + score_mod + bias input) crashes the "
-                          "9.19 planner; pad the keys to a multiple of 128 or use backend='reference'")
+            raise Refusal(quirk.refusal(version, "a key length 64 mod 128 with a bias next to a score_mod (the "
+                                                 "padded-key backward with a score_mod and a bias input crashes the "
+                                                 "planner)"))
         band = spec.band
         if self.has_mod and not (band is not None and band.left is None and band.right == 0):
-            raise Refusal("a key length 64 mod 128 with a score_mod and no causal mask: cuDNN 9.19's backward can write "
-                          "NaN into dQ there (rows whose lse falls below -88.7), and its padded-key formulation (keys "
-                          "masked past the real length next to the score_mod) crashes the 9.19 planner unless the "
-                          "mask is causal (measured on H200 with softcap, ALiBi and relative-position mods); pad the "
-                          "keys to a multiple of 128 or use backend='reference'")
+            raise Refusal(quirk.refusal(version, "a key length 64 mod 128 with a score_mod and no causal mask (the "
+                                                 "padded-key backward crashes the planner unless the mask is "
+                                                 "causal)"))
         if self.has_mod and self.lowering.user_mod is not None and self.lowering.user_mod.needs_host_lengths:
-            raise Refusal("a key length 64 mod 128 with a score_mod that folds q_len / kv_len: cuDNN 9.19's backward "
-                          "can write NaN into dQ there, and the padded formulation cannot fold the lengths")
+            raise Refusal(quirk.refusal(version, "a key length 64 mod 128 with a score_mod that folds q_len / kv_len "
+                                                 "(the padded-key backward cannot fold the lengths)"))
         b, h, sq, d = self.dims[0]
         hkv, skv, dv = self.dims[1][1], self.dims[1][2], self.dims[2][3]
         self.kv_pad = 64
@@ -443,3 +446,15 @@ def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
 def _logical_to_format(fmt: str, logical_strides: Tuple[int, ...]) -> Tuple[int, ...]:
     """Strides of the format tensor whose logical (B, H, S, D) view has `logical_strides`."""
     return tuple(logical_strides[i] for i in _INV[fmt])
+
+
+def _shaping_quirks(version: int, has_mod: bool, kv_pad: int, banded: bool) -> Tuple[str, ...]:
+    """The quirk entries that shaped a dense plan (what `explain` lists)."""
+    got = []
+    if kv_pad:
+        got.append("nan_dq_kv_64_mod_128")
+    if has_mod and quirks.applies("score_reused_in_pointwise", version):
+        got.append("score_reused_in_pointwise")
+    if has_mod and banded and quirks.applies("band_next_to_score_mod", version):
+        got.append("band_next_to_score_mod")
+    return tuple(got)

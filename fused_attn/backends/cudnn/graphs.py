@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...cache import GraphKey
+from . import quirks
+from .isolation import IsolatingGraph
 
 __all__ = ["CompiledGraph", "construct", "build", "cudnn_band", "grad_strides", "dense_strides_like"]
 
@@ -243,12 +245,31 @@ def _common_kwargs(b: _Builder, score_mod: Any, operand_templates: Dict[str, tor
         if getattr(score_mod, "uses_lengths", False) and seq_q is not None:
             operands["q_len"], operands["kv_len"] = seq_q, seq_kv
         memo: Dict[Any, Any] = {}
+        guard = _input_guard(key, cudnn)
         # The callback receives attention scale x score: the runners bind attn_scale x
         # score_mod.score_scale() (lowering.attn_scale), the factor the scaled lowering folds out.
-        kw["score_mod"] = lambda g, s: score_mod.lower_scaled_forward(g, s, operands, memo)
+        kw["score_mod"] = lambda g, s: score_mod.lower_scaled_forward(guard(g, s), s, operands, memo)
         if backward:
-            kw["score_mod_bprop"] = lambda g, ds: score_mod.lower_scaled_backward(g, ds, operands, memo)
+            kw["score_mod_bprop"] = lambda g, ds: score_mod.lower_scaled_backward(guard(g, ds), ds, operands, memo)
     return kw
+
+
+def _input_guard(key: GraphKey, cudnn: Any) -> Any:
+    """guard(graph, callback input) -> the graph object the callbacks build with: the graph itself,
+    or, where quirk `score_reused_in_pointwise` applies, one `IsolatingGraph` per graph that
+    reads each callback input through a copy next to values computed from it."""
+    if not quirks.applies("score_reused_in_pointwise", key.backend_version):
+        return lambda g, t: g
+    proxies: Dict[int, IsolatingGraph] = {}
+
+    def guard(g: Any, t: Any) -> Any:
+        proxy = proxies.get(id(g))
+        if proxy is None or proxy._graph is not g:
+            proxy = proxies[id(g)] = IsolatingGraph(g, cudnn.data_type.FLOAT)
+        proxy.root(t)
+        return proxy
+
+    return guard
 
 
 def construct(key: GraphKey, score_mod: Any = None, operand_templates: Optional[Dict[str, torch.Tensor]] = None,

@@ -110,6 +110,7 @@ class PackedAsDenseRunner:
         self.band = p.spec.band
         dense = dense_problem(p)
         self.runner = DenseRunner(dense, version) if make_dense is None else make_dense(dense)
+        self.quirks = ("ragged_key_tail_next_to_score_mod",) + tuple(getattr(self.runner, "quirks", ()))
         bb = VL.bucket_batch(p.batch)
         h, hkv, d, dv = p.heads, p.kv_heads, p.head_dim, p.head_dim_v
         self.layout = VL.ThdLayout(p.batch, bb, tuple(sorted({h * d, h * dv})), tuple(sorted({hkv * d, hkv * dv})),

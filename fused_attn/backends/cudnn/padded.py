@@ -53,6 +53,7 @@ class PaddedAsThdRunner:
         b, sq, skv = problem.batch, problem.seqlen_q, problem.seqlen_kv
         self.shape = (b, sq, skv)
         self.runner = (make_packed or (lambda packed: _packed_runner(packed, version)))(thd_problem(problem))
+        self.quirks = tuple(getattr(self.runner, "quirks", ()))
         dev = problem.device
         self.pad_q = torch.arange(b + 1, dtype=torch.int32, device=dev) * sq
         self.pad_kv = torch.arange(b + 1, dtype=torch.int32, device=dev) * skv

@@ -28,9 +28,10 @@ from .graphs import CompiledGraph, fast_path
 __all__ = ["ENTRY_FORMAT", "stored_key", "environment", "encode", "decode", "load_or_build"]
 
 #: Bumped whenever the graph built for a key changes (2: a score_mod's leading scalar factor is
-#: folded into the attention scale; 3: packed graphs keep Stats as ragged per-token rows), so
+#: folded into the attention scale; 3: packed graphs keep Stats as ragged per-token rows; 4: score
+#: callbacks read their input through a copy where quirk score_reused_in_pointwise applies), so
 #: stored plans of the old structure are never executed.
-ENTRY_FORMAT = "3"
+ENTRY_FORMAT = "4"
 _LEN = struct.Struct("<I")
 _env_lock = threading.Lock()
 _env_by_device: Dict[int, Dict[str, str]] = {}  # bounded by the number of GPUs

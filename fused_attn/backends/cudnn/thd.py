@@ -17,15 +17,13 @@ import torch
 
 from ...cache import GraphKey, intern_key
 from . import lowering as L
+from . import quirks
 from . import varlen as VL
 from .common import (Graphs, check_runtime_tensors, dropout_rng, grad_output, operand_description, rng_views,
                      sinks_view)
 from .graphs import thd_strides
 
 __all__ = ["ThdRunner"]
-
-#: the first cuDNN whose ragged SDPA backward takes a sink token (older ones are declined by the frontend)
-_RAGGED_SINK_BWD_VERSION = 92600
 
 #: cuDNN's ragged backward accumulates dQ in an fp32 workspace of B_bucket x S_bucket x H x D (the
 #: number of sequences times the longest one, not the token count). When that reaches this many
@@ -85,12 +83,17 @@ class ThdRunner:
                       operands=operand_description(operands), device_index=self.dev, backend_version=version,
                       bias=None, sinks=self.sinks is not None, dropout=spec.dropout_p)
         fwd_key = GraphKey(direction="fwd", deterministic=False, **common)
-        # cuDNN < 9.26 declines a ragged backward with a sink token (an out-of-bounds read in its
-        # dot(dO, O) pre-pass). The sink needs no place in the backward graph: given the
+        # Quirk `ragged_sink_backward` (an out-of-bounds read in the ragged backward's dot(dO, O)
+        # pre-pass with a sink token). The sink needs no place in the backward graph: given the
         # forward's Stats (whose lse includes the sink) the plain backward's weights
         # exp(s - lse) and D = rowsum(dO * O) are the sink-aware ones, so dQ, dK, dV are exact,
         # and dSink = -sum_t exp(sink - lse_t) D_t is a reduction (`_sink_grad`).
-        self.sink_in_bwd = self.sinks is not None and version >= _RAGGED_SINK_BWD_VERSION
+        self.sink_in_bwd = self.sinks is not None and not quirks.applies("ragged_sink_backward", version)
+        self.quirks = tuple(name for name, on in (
+            ("ragged_sink_backward", self.sinks is not None and not self.sink_in_bwd),
+            ("score_reused_in_pointwise", self.has_mod and quirks.applies("score_reused_in_pointwise", version)),
+            ("band_next_to_score_mod", self.has_mod and spec.band is not None
+             and quirks.applies("band_next_to_score_mod", version))) if on)
         bwd_common = dict(common, sinks=self.sink_in_bwd)
         bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **bwd_common) if p.needs_grad else None
         self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev)
