@@ -1,4 +1,4 @@
-"""The measurements behind `fused_attn.band_chunks`' cost model (GPU machine).
+"""The measurements behind `fused_attn.backends.cudnn.band_chunks`' cost model (GPU machine).
 
     python benchmarks/band_strategies.py [--out DIR]
 
@@ -72,8 +72,8 @@ def _gpu_and_enqueue_ms(fn, n=8):
 
 
 def main() -> None:
-    from fused_attn import band_chunks
-    from fused_attn.band_ragged import area_fraction, geometry
+    from fused_attn.backends.cudnn import band_chunks
+    from fused_attn.backends.cudnn.band_ragged import area_fraction, geometry
     from fused_attn.bench.common import environment, host_us_per_call, print_table, write_results
     from fused_attn.spec import resolve_spec
 

@@ -5,6 +5,7 @@ from .module import DotProductAttention
 from .plan import Explanation, FallbackWarning
 from .varlen import AuxRequest, doc_packed_attn, varlen_attn, varlen_attn_out
 from . import graph_cache
+from . import _wiring  # noqa: F401  (installs fused_attn.distributed's entry points as core hooks)
 
 __all__ = [
     "DotProductAttention",

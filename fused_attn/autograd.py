@@ -18,6 +18,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from .mod_values import check_mod_unchanged
+
 __all__ = ["attention", "PlanAttention", "check_mod_unchanged"]
 
 
@@ -51,17 +53,6 @@ class PlanAttention(torch.autograd.Function):
         grads = ctx.runner.backward(ctx.state, ctx.saved_tensors, grad_out)
         # the call tuple (sinks itself is among the extras), q, k, v, *extras
         return (None,) + tuple(grads)
-
-
-def check_mod_unchanged(mod: Any, forward_values: Any) -> None:
-    """Raise if the score_mod's values changed since the forward (a module updates them in place:
-    TracedMod.take_values replaces the values dict): the gradient would be another function's."""
-    values = getattr(mod, "_values", None)
-    if values is not forward_values and values != forward_values:
-        raise RuntimeError(
-            f"score_mod {getattr(mod, 'name', '?')!r} changed its values between this forward and its "
-            f"backward (from {forward_values} to {values}, e.g. `attn.score_mod = ...` before backward()): "
-            "the gradient would be that of another function; set the new score_mod after backward()")
 
 
 def attention(runner: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, varlen: Any, mod: Any,

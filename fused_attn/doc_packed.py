@@ -29,6 +29,7 @@ import torch
 
 from .functional import _is_dtensor, run_call, run_spec
 from .memo import BoundedMemo, capturing
+from . import extensions
 from .plan import Varlen
 from .spec import resolve_spec
 from .validation import check_window, keyable_call
@@ -238,11 +239,9 @@ def doc_packed_attn(
     (ValueError for a bad table).
     """
     if type(query) is not torch.Tensor and _is_dtensor(query):
-        from .distributed import dtensor
-
-        return dtensor.doc_packed_attn(query, key, value, cu_seq, is_causal=is_causal, window_size=window_size,
-                                       enable_gqa=enable_gqa, score_mod=score_mod, scale=scale,
-                                       max_doc_len=max_doc_len)
+        return extensions.get("dtensor_doc_packed")(query, key, value, cu_seq, is_causal=is_causal,
+                                                    window_size=window_size, enable_gqa=enable_gqa,
+                                                    score_mod=score_mod, scale=scale, max_doc_len=max_doc_len)
     key_ = _call_key(query, key, value, cu_seq, is_causal, window_size, enable_gqa, score_mod, scale, max_doc_len)
     if key_ is not None and capturing((query,)):  # the table's checks differ inside capture
         key_ = None

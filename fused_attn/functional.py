@@ -11,11 +11,11 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
+from . import engines, extensions
 from . import validation as V
 from .autograd import attention
-from .band_chunks import route, run_call as run_band_call
 from .key_range import trim_unattended_keys
-from .plan import NO_VARLEN, CallPlan, Explanation, Varlen, call_signature, explain_plan, get_plan
+from .plan import NO_VARLEN, CallPlan, Explanation, Varlen, call_signature, check_values, explain_plan, get_plan
 from .spec import AttentionSpec, resolve_spec
 
 __all__ = ["dot_product_attention", "explain", "run_spec", "run_call", "attention_forward", "attention_backward"]
@@ -118,9 +118,7 @@ def run_call(resolver: Any, config: tuple, score_mod: Any, query: Any, key: Any,
     plan. Under torch.compile the resolution runs once at trace time (its key is a constant).
     DTensor inputs go to `fused_attn.distributed` (batch / head sharding, context parallelism)."""
     if type(query) is not torch.Tensor and _is_dtensor(query):
-        from .distributed import dtensor
-
-        return dtensor.dtensor_call(resolver, config, score_mod, query, key, value, varlen, sinks)
+        return extensions.get("dtensor_call")(resolver, config, score_mod, query, key, value, varlen, sinks)
     if torch.compiler.is_compiling():
         from . import ops
 
@@ -160,13 +158,15 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
     """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
     varlen = _complete(spec, varlen)
     if spec.may_cut_band and varlen is NO_VARLEN and getattr(query, "is_cuda", False):
-        # rectangles of the band, or the plain plan: one lookup either way (band_chunks.route)
+        # the engine's own way to serve the call (cuDNN: rectangles of the band), or the plain plan:
+        # one lookup either way
         sig = call_signature(spec, query, key, value, varlen, mod, sinks)
         if sig is not None:
-            how = route(spec, mod, query, key, value, sinks, sig)
-            if type(how) is not CallPlan:
-                return run_band_call(how, spec, mod, query, key, value, sinks)
-            return _run_plan(spec, mod, query, key, value, varlen, sinks, how)
+            how = engines.route(spec, mod, query, key, value, sinks, sig)
+            if type(how) is CallPlan:
+                return _run_plan(spec, mod, query, key, value, varlen, sinks, how)
+            if how is not None:
+                return how(spec, mod, query, key, value, sinks)
     return _run_plan(spec, mod, query, key, value, varlen, sinks)
 
 
@@ -180,18 +180,6 @@ def _run_plan(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, v
     check_values(plan, query, key, varlen)
     out, lse = attention(plan.runner, query, key, value, varlen, mod, sinks)
     return (out, lse) if spec.return_lse else out
-
-
-def check_values(plan: Any, query: torch.Tensor, key: torch.Tensor, varlen: Varlen) -> None:
-    """The per-call cu_seqlens value checks, unless the plan's runner does them itself."""
-    problem = plan.problem
-    if not problem.has_lengths or getattr(plan.runner, "validates_lengths", False):
-        return
-    if problem.spec.is_packed:
-        limits = (varlen.max_seqlen_q, varlen.max_seqlen_kv)
-    else:
-        limits = (problem.seqlen_q, problem.seqlen_kv)
-    V.check_length_values(problem.spec.qkv_format, query, key, varlen, limits)
 
 
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Explanation:

@@ -12,11 +12,13 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from . import extensions
 from . import validation as V
 from .functional import _is_dtensor, _resolve_call, run_call, run_spec
 from .layouts import dims
 from .plan import NO_VARLEN, Varlen
-from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS
+from .engine_table import names as backend_names
+from .problem import MASK_TYPES, QKV_FORMATS
 from .ops import attention_by_key, op_keys_for, traced_backend
 from .spec import SOFTMAX_TYPES, check_dropout, resolve_spec
 
@@ -99,9 +101,7 @@ class DotProductAttention(nn.Module):
         super().__init__()
         self._ready = False
         if cp_group is not None:
-            from .distributed.context_parallel import CP_COMMS
-            from .distributed.cp_layout import LAYOUTS
-
+            CP_COMMS, LAYOUTS = extensions.get("cp_choices")()
             V.check_choice("cp_comm", cp_comm, CP_COMMS)
             V.check_choice("cp_layout", cp_layout, LAYOUTS)
         self.cp_group, self.cp_comm, self.cp_layout = cp_group, cp_comm, cp_layout
@@ -162,7 +162,7 @@ class DotProductAttention(nn.Module):
         if name == "softmax_scale":
             return None if value is None else V.check_scale(value, self.head_dim_qk)
         if name == "backend":
-            return V.check_choice("backend", value, BACKENDS)
+            return V.check_choice("backend", value, backend_names())
         if name == "deterministic":
             return V.check_bool("deterministic", value)
         if name == "softmax_type":
@@ -193,13 +193,9 @@ class DotProductAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 **overrides: Any) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         if type(query) is not torch.Tensor and _is_dtensor(query):
-            from .distributed import dtensor
-
-            return dtensor.module_forward(self, query, key, value, **overrides)
+            return extensions.get("dtensor_module_forward")(self, query, key, value, **overrides)
         if self.cp_group is not None:
-            from .distributed.context_parallel import module_context_parallel
-
-            return module_context_parallel(self, self.cp_group, self.cp_comm, self.cp_layout, query, key, value,
+            return extensions.get("module_context_parallel")(self, self.cp_group, self.cp_comm, self.cp_layout, query, key, value,
                                            **overrides)
         eval_spec, train_spec, mod = self._specs
         spec = train_spec if self.training else eval_spec

@@ -26,6 +26,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import engines
 from .plan import Varlen, get_plan
 from .spec import AttentionSpec
 
@@ -129,14 +130,14 @@ def attn_fwd(query: _T, key: _T, value: _T, cu_seqlens_q: _OT, cu_seqlens_kv: _O
              score_mod_scalars: _T, score_mod_tensors: List[_T], dropout_rng: _OT,
              spec_key: str) -> Tuple[_T, _T, _T]:
     """(out in the query's format, lse fp32 (B, H, Sq) / (H, Tq) or an empty tensor, saved)."""
-    from .functional import check_values
+    from .plan import check_values
 
     spec, mod, varlen, plan = _plan(spec_key, query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                                     cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, sinks, score_mod_scalars,
                                     score_mod_tensors)
     check_values(plan, query, key, varlen)
     out, lse, saved, _state = plan.runner.forward(query, key, value, varlen, mod, sinks, dropout_rng)
-    stats = saved[4].clone() if plan.backend == "cudnn" else query.new_empty((0,), dtype=torch.float32)
+    stats = engines.get(plan.backend).op_saved(saved, query)
     lse = query.new_empty((0,), dtype=torch.float32) if lse is None else lse.clone()
     if out.untyped_storage().data_ptr() == stats.untyped_storage().data_ptr():  # pragma: no cover - cloned above
         out = out.clone()
@@ -158,16 +159,13 @@ def _attn_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_
 
         b, h, s, _ = logical_shape(query, spec.qkv_format)
         lse = query.new_empty((b, h, s), dtype=torch.float32)
-    saved_shape = (0,)
-    if spec.backend == "cudnn":
-        from .backends.cudnn import saved_shape as cudnn_saved_shape
-        from .plan import _static_problem
+    from .plan import _static_problem
 
-        mod = _structure_mod(spec, score_mod_tensors)
-        varlen = Varlen(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
-                        max_seqlen_kv)
-        saved_shape = cudnn_saved_shape(_static_problem(spec, mod, query, key, value, varlen, sinks),
-                                        query.shape[0])
+    mod = _structure_mod(spec, score_mod_tensors)
+    varlen = Varlen(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
+                    max_seqlen_kv)
+    saved_shape = engines.get(spec.backend).saved_shape(_static_problem(spec, mod, query, key, value, varlen, sinks),
+                                                        query.shape[0])
     saved = query.new_empty(saved_shape, dtype=torch.float32)
     return out, lse, saved
 
@@ -221,14 +219,7 @@ def _differentiated(spec: AttentionSpec, tensors: Sequence[torch.Tensor], sinks:
 
 
 def _grad_param_names(spec: AttentionSpec) -> set:
-    template = spec.score_mod
-    if spec.backend == "cudnn":
-        from .backends.cudnn.lowering import split
-
-        _, bias_part = split(template)
-        return set() if bias_part is None else set(bias_part.tensors())
-    specs = getattr(template, "specs", {})
-    return {n for n, t in template.tensors().items() if t.is_floating_point() and n in specs}
+    return engines.get(spec.backend).grad_param_names(spec)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -278,20 +269,13 @@ def traced_spec(spec: AttentionSpec, device_type: str, dtype: torch.dtype, head_
     """`spec` with backend "auto" replaced by the backend its tensors' metadata selects."""
     if spec.backend != "auto":
         return spec
-    backend = "reference"
-    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 \
-            and head_dim_v % 8 == 0 and head_dim <= 256 and head_dim_v <= 256:
-        from .backends.registry import cudnn_available
-
-        if cudnn_available():
-            backend = "cudnn"
-    return dataclasses.replace(spec, backend=backend)
+    return dataclasses.replace(spec, backend=engines.traced_choice("auto", device_type, dtype, head_dim, head_dim_v))
 
 
 def op_keys_for(spec: AttentionSpec) -> dict:
     """{backend: registered spec key} for every backend `spec` may run on under torch.compile
     (DotProductAttention computes these eagerly, so a compiled model reads constants)."""
-    names = ("cudnn", "reference") if spec.backend == "auto" else (spec.backend,)
+    names = engines.names()[1:] if spec.backend == "auto" else (spec.backend,)
     return {name: _register(dataclasses.replace(spec, backend=name)) for name in names}
 
 

@@ -19,7 +19,6 @@ host ints).
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -28,9 +27,12 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import engines, planning
 from . import validation as V
 from .layouts import logical_shape
 from .spec import AttentionSpec
+from .static import NO_VARLEN, Refusal, StaticProblem, Varlen, bucket
+from .static import mod_signature as _mod_sig
 
 __all__ = ["Varlen", "StaticProblem", "CallPlan", "get_plan", "call_signature", "plan_info", "clear_plans", "FallbackWarning",
            "Refusal", "Explanation", "NO_VARLEN"]
@@ -38,24 +40,6 @@ __all__ = ["Varlen", "StaticProblem", "CallPlan", "get_plan", "call_signature", 
 
 class FallbackWarning(UserWarning):
     """`backend="auto"` runs CUDA tensors on the reference backend (with the reason)."""
-
-
-class Refusal(Exception):
-    """A backend cannot run a problem; the message is the reason."""
-
-
-class Varlen(NamedTuple):
-    """Per-call length arguments (all None for plain dense calls)."""
-
-    cu_seqlens_q: Optional[torch.Tensor] = None
-    cu_seqlens_kv: Optional[torch.Tensor] = None
-    cu_seqlens_q_padded: Optional[torch.Tensor] = None
-    cu_seqlens_kv_padded: Optional[torch.Tensor] = None
-    max_seqlen_q: Optional[int] = None
-    max_seqlen_kv: Optional[int] = None
-
-
-NO_VARLEN = Varlen()
 
 
 class Explanation(NamedTuple):
@@ -66,54 +50,6 @@ class Explanation(NamedTuple):
     reason: str
     problem: str
     quirks: Tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class StaticProblem:
-    """A call's spec and the facts of its tensors that its plan depends on.
-
-    Logical dims: B (sequences), H / Hkv heads, D / Dv head dims. Dense: seqlen_q / seqlen_kv are
-    Sq / Skv and q/k/v_strides the logical (B, H, S, D) strides of the caller's tensors. thd:
-    seqlen_q / seqlen_kv are the max_seqlen buckets (None when max_seqlen is not given: derived
-    per call) and the strides those of the packed (T, H, D) tensors. mod_tensors: (name, shape,
-    stride, dtype, device, requires_grad) of the score_mod's tensor parameters. sinks: (H,) fp32
-    learnable sink logits given (softmax_type="learnable").
-    """
-
-    spec: AttentionSpec
-    batch: int
-    heads: int
-    kv_heads: int
-    seqlen_q: Optional[int]
-    seqlen_kv: Optional[int]
-    head_dim: int
-    head_dim_v: int
-    dtype: torch.dtype
-    device: torch.device
-    q_strides: Tuple[int, ...]
-    k_strides: Tuple[int, ...]
-    v_strides: Tuple[int, ...]
-    scale: float
-    needs_grad: bool
-    aligned: bool
-    same_lengths: bool
-    q_offsets: bool
-    kv_offsets: bool
-    mod_tensors: tuple
-    sinks: bool
-
-    @property
-    def is_packed(self) -> bool:
-        return self.spec.is_packed
-
-    @property
-    def has_lengths(self) -> bool:
-        return self.spec.is_packed or self.spec.padding
-
-    def describe(self) -> str:
-        shape = (f"B={self.batch} H={self.heads} Hkv={self.kv_heads} Sq={self.seqlen_q} Skv={self.seqlen_kv} "
-                 f"D={self.head_dim} Dv={self.head_dim_v}")
-        return f"{self.spec.describe()}; {shape} {str(self.dtype).replace('torch.', '')} on {self.device}"
 
 
 class CallPlan:
@@ -133,22 +69,6 @@ class CallPlan:
 
 def _tensor_sig(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-
-
-def _mod_sig(mod: Any) -> tuple:
-    if mod is None:
-        return ()
-    tensors = mod.tensors()
-    if not tensors:
-        return ()
-    return tuple((name, t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for name, t in tensors.items())
-
-
-def bucket(n: Optional[int]) -> Optional[int]:
-    """The graph size serving max_seqlen n: the next power of two, at least 128 (None stays None)."""
-    if n is None:
-        return None
-    return 128 if n <= 128 else 1 << (n - 1).bit_length()
 
 
 def signature(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen, mod: Any,
@@ -235,12 +155,10 @@ PLANS = _PlanCache()
 
 
 def clear_plans() -> None:
-    """Drop every call plan, and the banded calls' routes that hold plans (the graph cache keeps
-    its graphs)."""
+    """Drop every call plan, and the engines' own memos that hold plans (the cuDNN band
+    rectangles' routes); the graph cache keeps its graphs."""
     PLANS.clear()
-    chunks = sys.modules.get("fused_attn.band_chunks")
-    if chunks is not None:
-        chunks.clear_memos()
+    engines.clear_memos()
 
 
 def plan_info() -> dict:
@@ -320,12 +238,6 @@ def _aligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return True
 
 
-def _backends():
-    from .backends import registry
-
-    return registry
-
-
 def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
                sinks: Optional[torch.Tensor], force_grad: bool = False) -> CallPlan:
     if mod is not None and spec.score_mod is not mod and getattr(mod, "cache_key", None) == spec.score_mod_key:
@@ -334,12 +246,24 @@ def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Va
         # registry's template, whose tensor parameters are stand-ins of another shape.)
         spec = dataclasses.replace(spec, score_mod=mod)
     problem = _static_problem(spec, mod, q, k, v, varlen, sinks, force_grad)
-    backend, reason, runner = _backends().choose(problem)
+    backend, reason, runner = engines.choose(problem)
     if backend == "reference" and problem.device.type == "cuda" and spec.backend == "auto":
         warnings.warn(f"fused_attn: backend='auto' runs this call on the reference backend (PyTorch math, slow): "
                       f"{reason}. Problem: {problem.describe()}. Pass backend='reference' to silence this, or see "
                       "fused_attn.explain(...).", FallbackWarning, stacklevel=4)
     return CallPlan(problem, backend, reason, runner)
+
+
+def check_values(plan: Any, query: torch.Tensor, key: torch.Tensor, varlen: Varlen) -> None:
+    """The per-call cu_seqlens value checks, unless the plan's runner does them itself."""
+    problem = plan.problem
+    if not problem.has_lengths or getattr(plan.runner, "validates_lengths", False):
+        return
+    if problem.spec.is_packed:
+        limits = (varlen.max_seqlen_q, varlen.max_seqlen_kv)
+    else:
+        limits = (problem.seqlen_q, problem.seqlen_kv)
+    V.check_length_values(problem.spec.qkv_format, query, key, varlen, limits)
 
 
 def explain_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
@@ -349,3 +273,8 @@ def explain_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: 
         warnings.simplefilter("ignore", FallbackWarning)
         plan = get_plan(spec, mod, q, k, v, varlen, sinks)
     return Explanation(plan.backend, plan.reason, plan.problem.describe(), tuple(getattr(plan.runner, "quirks", ())))
+
+
+planning.install(planning.Planner(
+    get_plan=get_plan, static_problem=_static_problem, call_signature=call_signature,
+    signature_records_grad=signature_records_grad, is_plan=lambda x: type(x) is CallPlan, clear_plans=clear_plans))

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Hashable, Optional, Tuple
 
 from . import validation as V
-from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS, Band
+from .engine_table import names as backend_names
+from .problem import MASK_TYPES, QKV_FORMATS, Band
 
 __all__ = ["AttentionSpec", "resolve_spec", "SOFTMAX_TYPES", "clear_spec_memo"]
 
@@ -114,7 +115,7 @@ def _resolve(qkv_format: Any, attn_mask_type: Any, window_size: Any, softmax_sca
              backend: Any, deterministic: Any, softmax_type: Any, dropout_p: Any) -> Tuple[AttentionSpec, Any]:
     V.check_choice("qkv_format", qkv_format, QKV_FORMATS)
     V.check_choice("attn_mask_type", attn_mask_type, MASK_TYPES)
-    V.check_choice("backend", backend, BACKENDS)
+    V.check_choice("backend", backend, backend_names())
     V.check_choice("softmax_type", softmax_type, SOFTMAX_TYPES)
     V.check_bool("return_lse", return_lse)
     V.check_bool("deterministic", deterministic)

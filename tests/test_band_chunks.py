@@ -1,4 +1,4 @@
-"""Banded score_mod calls served as rectangles of the band (fused_attn.band_chunks): the
+"""Banded score_mod calls served as rectangles of the band (fused_attn.backends.cudnn.band_chunks): the
 rectangles' geometry against the brute-force mask, which specs qualify, and exactness against the
 unchunked call in float64 (the reference backend on CPU; the GPU test runs cuDNN against float64)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import score_mods as sm
-from fused_attn import band_chunks as C
+from fused_attn.backends.cudnn import band_chunks as C
 from fused_attn.functional import _run_plan
 from fused_attn.plan import NO_VARLEN, CallPlan
 from fused_attn.problem import Band
@@ -320,7 +320,7 @@ def _ragged_cover(g):
 def test_packed_window_calls_hold_exactly_the_band(seq, left):
     """Head rows plus body chunks (keys [q0 - L, q1), band 0 <= b - a <= L in their positions)
     cover every allowed pair once and nothing else; every body chunk's band ends inside its keys."""
-    from fused_attn.band_ragged import geometry
+    from fused_attn.backends.cudnn.band_ragged import geometry
 
     g = geometry(2, seq, left)
     assert g is not None and g.chunk % 128 == 0 and g.head_rows >= left
@@ -331,7 +331,7 @@ def test_packed_window_calls_hold_exactly_the_band(seq, left):
 
 
 def test_packed_window_needs_rows_past_its_head():
-    from fused_attn.band_ragged import geometry
+    from fused_attn.backends.cudnn.band_ragged import geometry
 
     assert geometry(1, 512, 600) is None and geometry(1, 512, 0) is None
 
@@ -398,7 +398,7 @@ def test_packed_window_stats_are_the_packed_lse_per_token(batch, seq, left):
     """The packed-window backward's Stats (one row per flat query row) hold, at every token of
     the head and the body call, the lse of that token: what the packed runner makes of the
     call's packed lse (H, Tq) (its transpose) for its own tokens."""
-    from fused_attn import band_ragged as R
+    from fused_attn.backends.cudnn import band_ragged as R
 
     heads = 3
     g = R.geometry(batch, seq, left)

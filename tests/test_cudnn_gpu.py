@@ -321,7 +321,7 @@ def test_banded_score_mod_in_rectangles_matches_float64(mask, window, sq, skv, h
     tolerance rule; the forward without gradients equal to the training forward."""
     import fused_attn
     import score_mods as sm
-    from fused_attn import band_chunks
+    from fused_attn.backends.cudnn import band_chunks
 
     monkeypatch.setattr(band_chunks, "strategy", lambda *a: how)
     band_chunks.clear_memos()
@@ -346,7 +346,7 @@ def test_packed_window_backward_matches_float64(mask, window, b, s, monkeypatch)
     chunks over gathered keys; band_ragged, forced here): out, lse and dq / dk / dv against float64
     with the tolerance rule, GQA 4/2, several batches."""
     import score_mods as sm
-    from fused_attn import band_chunks
+    from fused_attn.backends.cudnn import band_chunks
     from fused_attn.plan import CallPlan
 
     monkeypatch.setattr(band_chunks, "strategy", lambda *a: "ragged")

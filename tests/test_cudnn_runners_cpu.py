@@ -428,7 +428,7 @@ def test_cudnn_runner_through_the_custom_ops_under_compile(stub, kw):
 def test_band_rectangles_write_into_the_calls_own_outputs(stub, monkeypatch, fmt, how):
     """A band cut into rectangles on cuDNN: each rectangle's graph binds views of the call's out,
     lse, dK and dV (one storage each, every view inside it), so no rectangle result is copied."""
-    from fused_attn import band_chunks as C
+    from fused_attn.backends.cudnn import band_chunks as C
 
     monkeypatch.setattr(C, "strategy", lambda *a: how)
     monkeypatch.setattr(C, "WINDOW_CHUNK", 256)

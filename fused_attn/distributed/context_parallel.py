@@ -218,7 +218,8 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     if any(is_dtensor(t) for t in (query, key, value)):
         from .cp_shard import context_parallel_dtensor
 
-        return context_parallel_dtensor(query, key, value, cp_group, cp_comm, layout, return_lse, cp_overlap, kwargs)
+        return context_parallel_dtensor(context_parallel_attention, query, key, value, cp_group, cp_comm, layout,
+                                        return_lse, cp_overlap, kwargs)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     cp = cp_config(query, key, cp_group, cp_comm, layout, cp_overlap, kwargs)

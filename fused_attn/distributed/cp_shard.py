@@ -97,11 +97,11 @@ def _cp_dims(t: DTensor, seq: int, fmt: str) -> Tuple[int, Dict[int, Any]]:
     return cp_dims[0], {d: p for d, p in enumerate(t.placements) if d != cp_dims[0]}
 
 
-def context_parallel_dtensor(query: Any, key: Any, value: Any, cp_group: Any, cp_comm: str, layout: str,
-                             return_lse: bool, overlap: bool, kwargs: Dict[str, Any]):
-    """`context_parallel_attention` on DTensors: the sequence sharded on one mesh dim (whose
-    process group is the CP group), the batch / heads possibly on others; returns DTensors."""
-    from .context_parallel import context_parallel_attention
+def context_parallel_dtensor(context_parallel_attention: Any, query: Any, key: Any, value: Any, cp_group: Any,
+                             cp_comm: str, layout: str, return_lse: bool, overlap: bool, kwargs: Dict[str, Any]):
+    """`context_parallel_attention` (passed in: it runs on the local shards) on DTensors: the
+    sequence sharded on one mesh dim (whose process group is the CP group), the batch / heads
+    possibly on others; returns DTensors."""
     from .dtensor import _kind_of
 
     fmt = kwargs.get("qkv_format", "bshd")

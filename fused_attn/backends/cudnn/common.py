@@ -60,7 +60,7 @@ class Graphs:
 
     def build_all(self) -> None:
         """Build (or find) every graph of the plan now: a graph cuDNN declines refuses the plan."""
-        from ...plan import Refusal
+        from ...static import Refusal
 
         for direction, key in self.keys.items():
             if key is None:

@@ -147,7 +147,7 @@ class DenseRunner:
         the bias) into padded buffers. Where the padded form crashes the planner (a bias next to
         a score_mod; a score_mod without a causal mask, measured with softcap, ALiBi and
         relative-position mods; lengths folded on the host) the plan is refused."""
-        from ...plan import Refusal
+        from ...static import Refusal
 
         spec, p = self.static.spec, self.static
         quirk = quirks.QUIRKS["nan_dq_kv_64_mod_128"]

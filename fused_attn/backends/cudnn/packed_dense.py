@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from ...memo import BoundedMemo
-from ...plan import NO_VARLEN, Varlen
+from ...static import NO_VARLEN, Varlen
 from . import varlen as VL
 
 __all__ = ["PackedAsDenseRunner", "dense_problem", "MAX_BIAS_ELEMENTS"]
@@ -57,7 +57,7 @@ def _composed(mod: Any, bias: torch.Tensor) -> Any:
 
 def dense_problem(problem: Any) -> Any:
     """The dense (bshd) StaticProblem the packed `problem` runs as (its bias a meta template)."""
-    from ...plan import _mod_sig
+    from ...static import mod_signature as _mod_sig
     from ...spec import resolve_spec
 
     p, spec = problem, problem.spec

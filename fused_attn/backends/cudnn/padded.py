@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 from ...layouts import token_rows
-from ...plan import Varlen, bucket
+from ...static import Varlen, bucket
 from .thd import ThdRunner
 
 __all__ = ["PaddedAsThdRunner", "thd_problem"]

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Optional
+
+from . import quirks
 
 SUPPORTED_FRONTEND = "1.32"
 MIN_BACKEND_VERSION = 91000
+
+class UntestedCudnnWarning(UserWarning):
+    """The loaded cuDNN is not one the GPU suite runs on (the quirk table still applies)."""
+
 
 _lock = threading.Lock()
 _result: Optional[tuple] = None  # (error message or None, backend version int)
@@ -37,6 +44,9 @@ def _get() -> tuple:
         with _lock:
             if _result is None:
                 _result = _probe()
+                notice = quirks.untested_notice(_result[1]) if _result[0] is None else None
+                if notice is not None:
+                    warnings.warn(notice, UntestedCudnnWarning, stacklevel=3)
     return _result
 
 

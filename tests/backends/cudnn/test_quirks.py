@@ -153,3 +153,14 @@ def test_isolation_is_one_copy_per_input():
     proxy.add(proxy.mul(ds, ds), proxy.add(a, s))
     assert proxy.copies_made == 2
     assert [op for op in g.ops if op[0] == "identity"] == [("identity", ("s",)), ("identity", ("ds",))]
+
+
+def test_an_untested_cudnn_loads_with_one_notice(monkeypatch):
+    from fused_attn.backends.cudnn import version
+
+    monkeypatch.setattr(version, "_result", None)
+    monkeypatch.setattr(version, "_probe", lambda: (None, V930))
+    with pytest.warns(version.UntestedCudnnWarning, match="9.30.0 is untested"):
+        assert version.unavailable_reason() is None
+    assert version.backend_version() == V930  # probed once: no second notice
+    assert "nan_dq_kv_64_mod_128" not in quirks.active(version.backend_version())

@@ -30,10 +30,11 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .layouts import token_rows
-from .plan import Refusal, Varlen, _static_problem, get_plan
-from .problem import Band
-from .spec import AttentionSpec
+from ...layouts import token_rows
+from ...planning import planner
+from ...problem import Band
+from ...spec import AttentionSpec
+from ...static import Refusal, Varlen
 
 __all__ = ["Geometry", "geometry", "chunk_rows", "RaggedWindowBackward", "area_fraction", "token_stats"]
 
@@ -100,7 +101,7 @@ class RaggedWindowBackward:
     output and lse (B, H, S), over the band only (see the module docstring).
 
     Built once per call signature (its offsets and key-row index live on the device);
-    raises plan.Refusal when cuDNN declines either graph."""
+    raises static.Refusal when cuDNN declines either graph."""
 
     def __init__(self, spec: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  g: Geometry) -> None:
@@ -150,11 +151,11 @@ def _runner(spec: AttentionSpec, mod: Any, views: List[torch.Tensor], varlen: Va
     geometry bounds every band inside its keys), the reference elsewhere."""
     q, k, v = views
     if q.device.type != "cuda":
-        return get_plan(spec, mod, q, k, v, varlen, None, force_grad=True).runner
-    from .backends import cudnn
+        return planner().get_plan(spec, mod, q, k, v, varlen, None, force_grad=True).runner
+    from . import make_runner, refusal
 
-    problem = _static_problem(spec, mod, q, k, v, varlen, None, force_grad=True)
-    why = cudnn.refusal(problem, keys_bounded=True)
+    problem = planner().static_problem(spec, mod, q, k, v, varlen, None, force_grad=True)
+    why = refusal(problem, keys_bounded=True)
     if why is not None:
         raise Refusal(why)
-    return cudnn.make_runner(problem, keys_bounded=True)
+    return make_runner(problem, keys_bounded=True)

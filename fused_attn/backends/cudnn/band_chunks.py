@@ -31,17 +31,19 @@ is estimated per call signature from the GPU work it saves and the host time it 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .autograd import check_mod_unchanged
+from ...memo import BoundedMemo
+from ...mod_axes import index_uses, tensor_axes
+from ...mod_values import check_mod_unchanged
+from ...planning import planner
+from ...problem import Band
+from ...spec import AttentionSpec
+from ...static import NO_VARLEN, Refusal
 from .band_ragged import RaggedWindowBackward, area_fraction, geometry
-from .memo import BoundedMemo
-from .backends.cudnn.common import grad_output
-from .plan import NO_VARLEN, CallPlan, Refusal, _static_problem, call_signature, get_plan, signature_records_grad
-from .problem import Band
-from .spec import AttentionSpec
+from .common import grad_output
 
 __all__ = ["Piece", "Pieces", "eligible", "bounds", "plan_pieces", "route", "run_call", "run_in_pieces", "BandChunks",
            "strategy", "PLAIN_NS_PER_SCORE_DIM", "PIECE_NS_PER_QUERY_ELEMENT", "HOST_NS_CALL",
@@ -83,7 +85,7 @@ _SEQ_DIM = {"bshd": 1, "sbhd": 0, "bhsd": 2}
 _ELIGIBLE = BoundedMemo(128, "band_chunks.eligible")
 _PIECES = BoundedMemo(256, "band_chunks.pieces")
 _SPECS = BoundedMemo(512, "band_chunks.spec")
-_ROUTES = BoundedMemo(256, "band_chunks.routes")  # call signature -> _Call or the plain CallPlan
+_ROUTES = BoundedMemo(256, "band_chunks.routes")  # call signature -> Call or the plain CallPlan
 
 
 class Piece(NamedTuple):
@@ -118,8 +120,6 @@ def _eligible(spec: AttentionSpec) -> bool:
     if (spec.score_mod is None or band is None or band.right is None or spec.qkv_format not in _SEQ_DIM
             or spec.padding or spec.dropout_p or spec.backend == "reference"):
         return False
-    from .distributed.sharding import index_uses, tensor_axes
-
     uses, axes = index_uses(spec.score_mod), tensor_axes(spec.score_mod)
     if uses is None or axes is None or uses & {"q_idx", "kv_idx", "length"}:
         return False
@@ -242,21 +242,23 @@ def _views(p: Piece, seq: int, query: torch.Tensor, key: torch.Tensor, value: to
 
 
 def route(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor],
-          sig: tuple) -> Union["_Call", CallPlan]:
-    """How a call of `spec` with call signature `sig` runs: its rectangles (`_Call`), or the plain
+          sig: tuple) -> Any:
+    """How a call of `spec` with call signature `sig` runs: its rectangles (`Call`), or the plain
     path's plan when rectangles do not serve it or would not gain. Decided once per signature;
     a repeated call is one lock-free lookup (no more than the plain path's own plan lookup)."""
     hit = _ROUTES.peek(sig)  # the key holds the spec: an ineligible one is memoized as the plain plan
     if hit is None:
         call = None
         if eligible(spec):
-            call = _make_call(spec, mod, query, key, value, sinks, grad=signature_records_grad(sig))
-        hit = call if call is not None else get_plan(spec, mod, query, key, value, NO_VARLEN, sinks, sig=sig)
+            call = _make_call(spec, mod, query, key, value, sinks, grad=planner().signature_records_grad(sig))
+        if call is None:
+            call = planner().get_plan(spec, mod, query, key, value, NO_VARLEN, sinks, sig=sig)
+        hit = call
         _ROUTES.put(sig, hit)
     return hit
 
 
-def run_call(call: "_Call", spec: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor,
+def run_call(call: "Call", spec: AttentionSpec, mod: Any, query: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor, sinks: Optional[torch.Tensor]):
     """out (and lse (B, H, Sq) when the spec returns it) of a call `route` cut into rectangles."""
     if call.trains:
@@ -274,11 +276,11 @@ def run_in_pieces(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: An
     if sig is None:
         if not eligible(spec):
             return None
-        sig = call_signature(spec, query, key, value, NO_VARLEN, mod, sinks)
+        sig = planner().call_signature(spec, query, key, value, NO_VARLEN, mod, sinks)
         if sig is None:
             return None  # the plain path validates and names the argument
     how = route(spec, mod, query, key, value, sinks, sig)
-    return run_call(how, spec, mod, query, key, value, sinks) if isinstance(how, _Call) else None
+    return run_call(how, spec, mod, query, key, value, sinks) if isinstance(how, Call) else None
 
 
 def clear_memos() -> None:
@@ -287,7 +289,7 @@ def clear_memos() -> None:
         memo.clear()
 
 
-class _Call(NamedTuple):
+class Call(NamedTuple):
     """A cut call: its query rectangles and their runners; with gradients, key rectangles and
     their runners, `backward_ragged` (a `band_ragged.RaggedWindowBackward`) or `backward_full`,
     the plain call's runner (its backward reads the rectangles' stitched output and lse)."""
@@ -314,7 +316,7 @@ def _ragged_geometry(spec: AttentionSpec, query: Any, key: Any, sinks: Optional[
 
 
 def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor],
-               grad: bool) -> Optional[_Call]:
+               grad: bool) -> Optional[Call]:
     """The rectangles and their runners for this signature, or None when not served here."""
     if any(not isinstance(t, torch.Tensor) or t.dim() != 4 for t in (query, key, value)):
         return None
@@ -332,7 +334,7 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
 
     layouts = _layouts(spec.qkv_format, query, key, value)
     try:
-        call = _Call(pieces.forward, _runners(spec, mod, query, key, value, sinks, pieces.forward, False, layouts),
+        call = Call(pieces.forward, _runners(spec, mod, query, key, value, sinks, pieces.forward, False, layouts),
                      seq, trains=grad)
         if how == "ragged" and ragged is None:
             how = "forward"  # (a forced strategy on a call the packed window does not serve)
@@ -346,8 +348,8 @@ def _make_call(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, 
                                  backward_runners=_runners(spec, mod, query, key, value, sinks, pieces.backward, True,
                                                            layouts))
         elif grad and how != "ragged":
-            call = call._replace(backward_full=get_plan(spec, mod, query, key, value, NO_VARLEN, sinks,
-                                                        force_grad=True).runner)
+            call = call._replace(backward_full=planner().get_plan(spec, mod, query, key, value, NO_VARLEN, sinks,
+                                                                  force_grad=True).runner)
     except Refusal:
         return None  # a rectangle cuDNN declines: the plain path serves the call
     return call
@@ -362,7 +364,7 @@ def _layouts(fmt: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """The rectangles' `Into` layouts: they write into the whole call's out (contiguous in the
     format), its lse (B, H, Sq) fp32 and its dK, dV (contiguous); dQ goes to fresh buffers
     (key chunks overlap in queries: their shares are summed)."""
-    from .backends.cudnn.dense import Into, _contiguous_strides as _contiguous
+    from .dense import Into, _contiguous_strides as _contiguous
 
     sq = query.shape[_SEQ_DIM[fmt]]
     heads = query.shape[1] if fmt == "bhsd" else query.shape[2]
@@ -374,8 +376,8 @@ def _layouts(fmt: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def _runners(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor],
              parts: Tuple[Piece, ...], force_grad: bool, layouts: Any) -> tuple:
     """One cuDNN runner per rectangle (None for one no query attends), writing in `layouts`;
-    raises plan.Refusal when cuDNN declines one."""
-    from .backends import cudnn, registry
+    raises static.Refusal when cuDNN declines one."""
+    from . import make_runner, refusal
 
     seq = _SEQ_DIM[spec.qkv_format]
     q, k, v = (query, key, value) if force_grad else (query.detach(), key.detach(), value.detach())
@@ -385,15 +387,15 @@ def _runners(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, si
             out.append(None)
             continue
         pspec, views = piece_spec(spec, p.band), _views(p, seq, q, k, v)
-        problem = _static_problem(pspec, mod, *views, NO_VARLEN, sinks, force_grad)
-        if registry.choose_name(problem) == "cudnn":
-            out.append(cudnn.make_runner(problem, into=layouts))
+        problem = planner().static_problem(pspec, mod, *views, NO_VARLEN, sinks, force_grad)
+        if pspec.backend != "reference" and refusal(problem) is None:
+            out.append(make_runner(problem, into=layouts))
         else:  # the reference (CPU calls): it copies into the same destinations
-            out.append(get_plan(pspec, mod, *views, NO_VARLEN, sinks, force_grad=force_grad).runner)
+            out.append(planner().get_plan(pspec, mod, *views, NO_VARLEN, sinks, force_grad=force_grad).runner)
     return tuple(out)
 
 
-def _forward(call: _Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any,
+def _forward(call: Call, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mod: Any,
              sinks: Optional[torch.Tensor]):
     """(out, lse (B, H, Sq) fp32, as every backend keeps it): each query chunk's runner writes
     its rows of both in place."""
@@ -411,10 +413,10 @@ class BandChunks(torch.autograd.Function):
     """apply(call, mod, sinks, q, k, v) -> (out, lse): the forward's query chunks; a backward over
     key chunks from the saved output and lse, each writing its dK / dV in place and adding its
     share of dQ into an fp32 accumulator (the first chunk's own dQ when it spans every query),
-    or the plain call's backward from that output and lse (`_Call.backward_full`)."""
+    or the plain call's backward from that output and lse (`Call.backward_full`)."""
 
     @staticmethod
-    def forward(ctx, call: _Call, mod: Any, sinks: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+    def forward(ctx, call: Call, mod: Any, sinks: Optional[torch.Tensor], query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor):
         out, lse = _forward(call, query, key, value, mod, sinks)
         ctx.call, ctx.mod, ctx.sinks = call, mod, sinks
