@@ -163,6 +163,10 @@ def warmup(configs: Iterable[Dict[str, Any]], backward: bool = True) -> CacheInf
     configs = list(configs)
     for i, cfg in enumerate(configs):  # every config is checked before any graph is built
         _check_config(cfg, i)
+    if configs and not torch.cuda.is_available():
+        raise RuntimeError(f"graph_cache.warmup builds cuDNN graphs on a CUDA device, and this torch "
+                           f"({torch.__version__}) sees none; without a GPU there is nothing to warm up (the "
+                           "reference backend builds no graphs)")
     for cfg in configs:
         q, k, v, extra = _inputs(cfg, backward)
         kwargs: Dict[str, Any] = dict(qkv_format=cfg.get("qkv_format", "bshd"), backend="cudnn", **extra)
