@@ -1,9 +1,6 @@
-"""`python -m fused_attn` (console script `fused-attn`): a self-check and demo on the present device.
-
-    fused-attn            table of configurations: backend used, max error vs a float64 naive
-                          reference, time per forward call; exit status 1 if any check fails
-    fused-attn bench ...  the benchmark suites (`fused_attn.bench`)
-    fused-attn cache      the graph cache statistics
+"""The self-check behind `python -m fused_attn` / `fused-attn check`: a table of configurations on the
+present device (backend used, max error vs a float64 naive reference, time per forward call) and
+the cuDNN library it loaded, or why none.
 """
 
 from __future__ import annotations
@@ -12,11 +9,11 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 
-USAGE = "usage: python -m fused_attn [bench [ARGS...] | cache | -h]"
+from .progress import progress
 
 
 @dataclass
@@ -132,6 +129,23 @@ def _run_case(case: Case, device: torch.device, dtype: torch.dtype, b: int, h: i
     return {"name": case.name, "backend": backend, "err": err, "tol": tol, "ms": ms, "ok": ok}
 
 
+def cudnn_status() -> str:
+    """One line: the cuDNN library (and frontend) version this process loaded, or why none."""
+    from .backends.cudnn import version
+
+    if not torch.cuda.is_available():
+        return (f"cuDNN: none loaded (torch {torch.__version__} sees no CUDA device); every call runs on the "
+                "reference backend")
+    reason = version.unavailable_reason()
+    if reason is not None:
+        return f"cuDNN: not used ({reason}); calls run on the reference backend"
+    import cudnn
+
+    v = version.backend_version()
+    return (f"cuDNN: library {v // 10000}.{v % 10000 // 100}.{v % 100} (frontend "
+            f"{getattr(cudnn, '__version__', 'unknown')}, torch's own cuDNN {torch.backends.cudnn.version()})")
+
+
 def self_check() -> int:
     """Run the configuration table on the present device; 0 if every check passes."""
     cuda = torch.cuda.is_available()
@@ -145,8 +159,9 @@ def self_check() -> int:
         cases = _cases(s)
     except ImportError:
         cases = [c for c in _cases(s) if c.softcap is None]
+    print(cudnn_status())
     rows, failed = [], 0
-    for case in cases:
+    for case in progress(cases, desc="self-check"):
         try:
             r = _run_case(case, device, dtype, b, h, s, d)
         except Exception as exc:  # report every failure in the table, not only the first
@@ -163,30 +178,3 @@ def self_check() -> int:
             print(f"    {r['error']}")
     print(f"{len(rows) - failed}/{len(rows)} checks passed")
     return 1 if failed else 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of `python -m fused_attn` / `fused-attn`; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        return self_check()
-    command, rest = argv[0], argv[1:]
-    if command == "bench":
-        from fused_attn import bench
-
-        return int(bench.main(rest) or 0)
-    if command == "cache" and not rest:
-        from fused_attn import graph_cache
-
-        print(graph_cache.cache_info())
-        return 0
-    if command in ("-h", "--help"):
-        print(USAGE)
-        print(__doc__)
-        return 0
-    print(f"unknown arguments {argv!r}\n{USAGE}", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -56,9 +56,10 @@ def test_cpu_smoke_checks_times_and_writes_csv(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_main_without_cuda_says_so_and_exits_zero(tmp_path, capsys):
-    assert main(["bench", "dense", "--out", str(tmp_path)]) == 0
-    assert "need a CUDA GPU" in capsys.readouterr().out
+def test_main_without_cuda_says_so_and_fails(tmp_path, capsys):
+    assert main(["bench", "dense", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "need a CUDA GPU" in err and "--cpu-smoke" in err
     assert list(tmp_path.iterdir()) == []
 
 
