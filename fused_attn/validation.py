@@ -233,11 +233,8 @@ def derive_max_seqlens(varlen: Any) -> Tuple[int, int]:
     for arg, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 2:
             return (varlen.max_seqlen_q or 0, varlen.max_seqlen_kv or 0)  # check_length_structure names it
-    for arg, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
-        if t.device.type == "meta":
-            raise ValueError(f"{arg} is on the meta device, which holds no values to read the max sequence "
-                             "lengths from: put cu_seqlens on the query's device, or pass max_seqlen_q and "
-                             "max_seqlen_kv")
+    if cu_q.device.type == "meta" or cu_kv.device.type == "meta":  # no values: check_length_structure names it
+        return (varlen.max_seqlen_q or 0, varlen.max_seqlen_kv or 0)
     rows = [cu_q, cu_kv]
     if cu_q.shape != cu_kv.shape or cu_q.device != cu_kv.device or cu_q.dtype != cu_kv.dtype:
         return (varlen.max_seqlen_q or 0, varlen.max_seqlen_kv or 0)

@@ -454,10 +454,20 @@ def test_reducible_4d_masks_are_served():
 
 # ----------------------------------------------------------------------------- the mask function
 
+def _cache_kwarg() -> str:
+    """The mask functions' cache argument: `cache` in newer transformers (`past_key_values` there
+    is a deprecated alias that warns), `past_key_values` in older ones."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
 def _mask_kwargs(**over):
     cfg = model_config("llama", "tiny")
     cfg._attn_implementation = FA
-    kw = dict(config=cfg, inputs_embeds=torch.zeros(2, 10, 64), attention_mask=None, past_key_values=None)
+    kw = dict(config=cfg, inputs_embeds=torch.zeros(2, 10, 64), attention_mask=None, **{_cache_kwarg(): None})
     kw.update(over)
     return kw
 
