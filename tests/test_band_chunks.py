@@ -84,6 +84,7 @@ def test_rectangles_hold_exactly_the_band(small_thresholds, band, sq, skv):
     assert _check_rectangles(band, sq, skv)
 
 
+@pytest.mark.slow
 def test_rectangles_hold_exactly_random_bands(small_thresholds):
     rng = random.Random(11)
     for _ in range(60):
@@ -155,6 +156,7 @@ CASES = [("causal", None, 600, 600), ("causal", None, 600, 700), ("causal_bottom
          ("no_mask", (150, 30), 640, 640)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("mask, window, sq, skv", CASES)
 @pytest.mark.parametrize("return_lse", [False, True])
@@ -336,6 +338,7 @@ def test_packed_window_needs_rows_past_its_head():
     assert geometry(1, 512, 600) is None and geometry(1, 512, 0) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask, window, seq", [("causal", (200, 0), 700), ("no_mask", (150, 0), 640),
                                                ("causal", (127, 0), 1000), ("causal", (300, 0), 300 + 257)])
 @pytest.mark.parametrize("return_lse", [False, True])

@@ -174,6 +174,7 @@ def _run(model, x, *extra):
     return y.detach(), grads
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("sm", [None, 2.0])
@@ -191,6 +192,7 @@ def test_compiled_block_matches_eager(backend, varlen, sm, request):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_inductor_small_case():
     torch.manual_seed(0)
     model = Block(score_mod=softcap(2.0))
@@ -208,6 +210,7 @@ def test_inductor_small_case():
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_no_recompile_when_float_param_changes():
     torch._dynamo.reset()
     model = Block(score_mod=softcap(2.0))
@@ -249,6 +252,7 @@ def test_dispatch_mode_sees_custom_ops_in_forward_and_backward():
     assert q.grad is not None and k.grad is not None and v.grad is not None
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_functional_call_compiles_fullgraph_with_score_mod_and_mask():
     mod = softcap(3.0)
 
@@ -260,6 +264,7 @@ def test_functional_call_compiles_fullgraph_with_score_mod_and_mask():
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_varlen_and_doc_packed_compile_fullgraph():
     cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32)
     cu_seq = torch.tensor([[0, 3, 8], [0, 8, 8]], dtype=torch.int32)
@@ -302,6 +307,7 @@ def fresh_structures(monkeypatch):
     monkeypatch.setattr(templates, "_ORDER", templates.OrderedDict())
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 @pytest.mark.parametrize("name", list(_BUILT_INSIDE))
 def test_score_mods_built_inside_a_fullgraph_compiled_function(name, fresh_structures):
     """A model may build its score_mod in forward (softcap(self.cap), post_scale_bias(self.bias),
@@ -376,6 +382,7 @@ def _grid(s):
     return z, z, torch.arange(s).view(1, 1, -1, 1), torch.arange(s).view(1, 1, 1, -1)
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_a_native_band_survives_into_the_compiled_spec():
     """The cuDNN lowering runs a pure library mask as its own band (`native_band`); the spec a
     compiled call registers must keep it, for mods passed in and built inside alike."""
@@ -389,6 +396,7 @@ def test_a_native_band_survives_into_the_compiled_spec():
         assert spec.score_mod.native_band == (3, 0, False)
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 @pytest.mark.parametrize("layout", ["dense", "expanded"])
 def test_a_traced_mods_compiled_spec_is_the_one_the_mod_itself_gives(layout):
     """Under torch.compile a traced mod reaches the spec resolution as (origin, dtypes, ranks,

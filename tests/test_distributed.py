@@ -236,6 +236,7 @@ def test_autoparallel_style_capture_with_fake_tensors(kind):
     assert not any("_local_scalar_dense" in t or t.endswith(".item") for t in targets), sorted(targets)
 
 
+@pytest.mark.slow  # torch.compile under fake tensors
 @pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11),
                     reason="torch 2.10 cannot torch.compile under an active FakeTensorMode (torch's own SDPA fails "
                            "the same way: the backend's fake mode differs from the inputs')")
@@ -327,16 +328,19 @@ def _check(results: dict, case: str) -> None:
     assert ok, msg
 
 
+@pytest.mark.slow  # spawned gloo process groups
 @pytest.mark.parametrize("case", _dist_cases.case_names(2))
 def test_two_processes(group_results, case):
     _check(group_results(2), case)
 
 
+@pytest.mark.slow  # spawned gloo process groups
 @pytest.mark.parametrize("case", _dist_cases.case_names(4))
 def test_four_processes(group_results, case):
     _check(group_results(4), case)
 
 
+@pytest.mark.slow  # spawned gloo process groups
 def test_bench_cp_cpu_smoke(tmp_path):
     """benchmarks/bench_cp.py under torchrun on 2 CPU processes (--cpu-smoke): every row is
     written and checked, none has an error note."""

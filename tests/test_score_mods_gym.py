@@ -591,6 +591,7 @@ def ours(q, k, v, port):
 # =============================================================================== tests
 
 
+@pytest.mark.slow  # flex_attention on CPU: 2-24 s a case
 @pytest.mark.parametrize("c", params(CASES.values()))
 def test_forward_matches_flex_oracle(c: Case):
     """reference backend == flex(port.to_flex) == flex(oracle score_mod, oracle block mask), float64;
@@ -653,6 +654,7 @@ def test_gradients_match_float64_autograd(c: Case):
         assert_close(a, e, DEFAULT_FLOOR[F64] * max(1.0, float(e.abs().max())), name)
 
 
+@pytest.mark.slow  # flex_attention on CPU: 2-24 s a case
 def test_to_flex_with_a_constant_index_after_a_shape_change():
     torch._dynamo.reset()
     first = CASES["alibi_h1_1"]
