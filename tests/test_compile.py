@@ -86,6 +86,7 @@ def fwd_args(qkv, spec, mod, varlen):
             None, scalars, [], None, ops.register_spec(spec))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [dense_call, thd_call])
 @pytest.mark.parametrize("sm", [None, Softcap(3.0)])
 def test_opcheck_forward(make, sm):
@@ -93,6 +94,7 @@ def test_opcheck_forward(make, sm):
     torch.library.opcheck(torch.ops.fused_attn.attn_fwd.default, fwd_args(qkv, spec, mod, varlen))
 
 
+@pytest.mark.slow
 def test_opcheck_backward():
     qkv, spec, mod, varlen = dense_call(Softcap(2.0))
     a = fwd_args(qkv, spec, mod, varlen)
@@ -102,6 +104,7 @@ def test_opcheck_backward():
     torch.library.opcheck(torch.ops.fused_attn.attn_bwd.default, bwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [dense_call, thd_call])
 def test_attention_forward_backward_match_naive(make):
     (q, k, v), spec, mod, varlen = make(Softcap(2.5))
@@ -450,10 +453,12 @@ def check_compiled_bias_calls(device: str, backend: str, dtype: torch.dtype, s0:
             assert_close(g, e, bound_from(n, e, dtype), f"S={s} bias batch {bb}: {name}")
 
 
+@pytest.mark.slow
 def test_compiled_bias_calls_follow_each_calls_shapes():
     check_compiled_bias_calls("cpu", "reference", torch.float32, 16)
 
 
+@pytest.mark.slow
 def test_origins_cross_into_compiled_code_by_name_while_they_live():
     """Compiled code hands a mod's origin to eager code by name (a constant in every torch
     version); the name table holds origins weakly, so it grows with live mods only."""

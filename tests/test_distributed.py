@@ -212,6 +212,7 @@ def _fake_inputs(kind):
 KINDS = ["doc_packed", "module", "dot_product_attention", "varlen", "thd"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_autoparallel_style_capture_with_fake_tensors(kind):
     """What AutoParallel does before sharding: dynamo export capture + AOT joint graph on fake
@@ -254,6 +255,7 @@ def test_compile_fullgraph_with_fake_tensors(kind):
         assert x.grad.shape == x.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["module", "dot_product_attention"])
 def test_eager_dense_calls_with_fake_tensors(kind):
     from torch._subclasses import FakeTensorMode
@@ -264,6 +266,7 @@ def test_eager_dense_calls_with_fake_tensors(kind):
         _entry(kind)(x, cu).sum().backward()
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="core: eager thd calls on CPU fake tensors read cu_seqlens on the host "
                    "(fused_attn/validation.py check_length_values: torch.stack(tensors).tolist() on the CPU branch, "
                    "which does not test for fake tensors; then the reference's thd loop reads the offsets)")
@@ -373,6 +376,7 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_core_entry_points_route_dtensors(one_rank_group):
     """fused_attn.dot_product_attention / varlen_attn / DotProductAttention / doc_packed_attn given
     DTensors go to fused_attn.distributed (a one-rank group here: the routing, not the sharding,

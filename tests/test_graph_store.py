@@ -366,6 +366,7 @@ def test_processes_share_a_directory(tmp_path):
         assert messages == [] and got is not None and sw.check_payload(name, got)
 
 
+@pytest.mark.slow
 def test_threads_share_a_store(store):
     problems = []
     start = threading.Barrier(8)

@@ -15,6 +15,7 @@ from fused_attn import selfcheck
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_self_check_passes(capsys):
     assert main_mod.main([]) == 0
     text = capsys.readouterr().out

@@ -892,6 +892,7 @@ def test_natten_layouts_give_the_same_attention(canvas_w, canvas_h, kernel_w, ke
 # ------------------------------------------------------------------------------- training and equivalents
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_t5_relative_position_bias_trains(bidirectional):
     """A few SGD steps on a toy loss move the learned table (exactly the buckets these lengths
@@ -932,6 +933,7 @@ def test_activation_recovers_activation_attention(kind):
     assert_close(recovered, expected, 1e-5 * max(1.0, float(expected.abs().max())), "f(S) V (lse is fp32)")
 
 
+@pytest.mark.slow
 def test_mla_rope_score_mod_is_a_concatenation():
     """attention-gym's MLA RoPE score mod (score + scale * <q_rope[b, h, i], k_rope[b, 0, j]>) is out
     of scope as a score_mod; concatenating the rope features onto q and k is the same attention."""

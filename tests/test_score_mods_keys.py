@@ -188,6 +188,7 @@ class Plain:
         return score
 
 
+@pytest.mark.slow
 def test_bound_methods_are_keyed_to_the_live_object_and_released():
     released = []
     sm.add_release_listener(released.append)

@@ -267,6 +267,7 @@ def test_generation_with_left_padding_and_cache_matches_eager():
             assert max_error(b, a) <= 1e-9 * max(1.0, float(a.abs().max())), (family, step)
 
 
+@pytest.mark.slow
 def test_from_config_one_line_switch():
     cfg = model_config("llama", "tiny")
     torch.manual_seed(0)
@@ -359,6 +360,7 @@ def test_softcap_and_window_compose_as_eager():
     assert torch.equal(out, again)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padded", [False, True])
 def test_sinks_semantics_against_float64_reference(padded):
     """s_aux: one extra logit per head with no value, trained (gradient), on dense and thd paths."""
