@@ -1,190 +1,169 @@
-"""`python -m fused_attn` (console script `fused-attn`): a self-check and demo on the present device.
+"""`python -m fused_attn` (console script `fused-attn`): the command line.
 
-    fused-attn            table of configurations: backend used, max error vs a float64 naive
-                          reference, time per forward call; exit status 1 if any check fails
-    fused-attn bench ...  the benchmark suites (`fused_attn.bench`)
-    fused-attn cache      the graph cache statistics
+    fused-attn [check]        self-check table on the present device (the default command)
+    fused-attn bench ...      the benchmark suites (needs a CUDA GPU; --cpu-smoke runs the harness on CPU)
+    fused-attn cache --dir D  the persistent graph cache directory: entries, sizes, versions
+    fused-attn explain ...    which backend a problem would run on, and why (computes nothing)
+    fused-attn help [CMD]     this help, or one command's
+
+Imports stay lazy: `--help`, `--version` and `cache` never import torch.
 """
 
 from __future__ import annotations
 
-import math
+import argparse
+import json
+import os
+import struct
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-import torch
+from ._version import __version__
 
-USAGE = "usage: python -m fused_attn [bench [ARGS...] | cache | -h]"
-
-
-@dataclass
-class Case:
-    """One self-check configuration; tensors are logical (B, H, S, D) before formatting."""
-
-    name: str
-    fmt: str = "bshd"
-    mask: str = "no_mask"
-    window: Optional[tuple] = None
-    sq: Optional[int] = None  # defaults to the run's S
-    hkv_div: int = 1
-    dv: Optional[int] = None
-    lengths: Optional[List[int]] = None  # thd or dense padding lengths
-    softcap: Optional[float] = None
-    extra: Dict[str, Any] = field(default_factory=dict)
+PROG = "fused-attn"
+COMMANDS = ("check", "bench", "cache", "explain", "help")
 
 
-def _cases(s: int) -> List[Case]:
-    return [
-        Case("bshd no_mask"),
-        Case("sbhd causal", fmt="sbhd", mask="causal"),
-        Case("bhsd causal_bottom_right Sq<Skv", fmt="bhsd", mask="causal_bottom_right", sq=s // 2),
-        Case("bshd sliding window (64, 0)", window=(64, 0)),
-        Case("bshd GQA 2:1 causal", mask="causal", hkv_div=2),
-        Case("bshd Dv = D/2", dv=-1),
-        Case("bshd padding_causal", mask="padding_causal", lengths=[s, s // 3]),
-        Case("thd varlen causal", fmt="thd", mask="causal", lengths=[s // 2, 0, 1, s // 4 + 3]),
-        Case("bshd softcap(20) + causal", mask="causal", softcap=20.0),
-    ]
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="fused_attn: attention on cuDNN SDPA graphs, with score_mods.",
+                                epilog="With no command, runs `check`. `python -m fused_attn` is the same command.")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="{check,bench,cache,explain,help}")
+    sub.add_parser("check", help="self-check: each configuration against a float64 reference, and the cuDNN in use",
+                   description="Run a table of configurations on the present device (backend used, max error vs a "
+                               "float64 naive reference, time per call) and print the cuDNN library loaded, or why "
+                               "none. Exit status 1 if any check fails.")
+    sub.add_parser("bench", add_help=False, help="benchmark suites (`bench --help` lists the options; needs a GPU, "
+                                                 "or --cpu-smoke)")
+    c = sub.add_parser("cache", help="list a persistent graph cache directory",
+                       description="List the graphs stored in a persistent cache directory (the one given to "
+                                   "fused_attn.graph_cache.set_persistent_dir): entries, sizes and the versions "
+                                   "each was built with. A fresh process has no in-memory graphs to show.")
+    c.add_argument("--dir", dest="directory", help="the persistent cache directory to list")
+    e = sub.add_parser("explain", help="which backend a problem runs on, and why",
+                       description="Build empty tensors of the given problem and print fused_attn.explain(...): the "
+                                   "backend a call would use and the reason. Nothing is computed.")
+    e.add_argument("--format", default="bshd", choices=("bshd", "sbhd", "bhsd"), help="qkv_format (default bshd)")
+    e.add_argument("--batch", type=int, default=2)
+    e.add_argument("--seqlen", type=int, default=1024, help="query length (and key length unless --seqlen-kv)")
+    e.add_argument("--seqlen-kv", type=int, default=None)
+    e.add_argument("--heads", type=int, default=16)
+    e.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA; default --heads)")
+    e.add_argument("--head-dim", type=int, default=128)
+    e.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32", "float64"))
+    e.add_argument("--mask", default="no_mask", help="attn_mask_type (no_mask, causal, causal_bottom_right)")
+    e.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"), help="window_size")
+    e.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    e.add_argument("--backend", default="auto", choices=("auto", "cudnn", "reference"))
+    h = sub.add_parser("help", help="show this help, or a command's")
+    h.add_argument("topic", nargs="?", choices=COMMANDS)
+    return p
 
 
-def _naive(q, k, v, scale: float, allowed, score_fn=None):
-    """float64 softmax(score_fn(scale q k^T) masked) v on (B, H, S, D); masked rows -> 0."""
-    q, k, v = q.double(), k.double(), v.double()
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = scale * q @ k.transpose(-1, -2)
-    if score_fn is not None:
-        s = score_fn(s)
-    s = s.masked_fill(~allowed, -math.inf)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return p @ v
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
 
 
-def _allowed(sq: int, skv: int, lq: int, lkv: int, mask: str, window, device) -> torch.Tensor:
-    i = torch.arange(sq, device=device)[:, None]
-    j = torch.arange(skv, device=device)[None, :]
-    ok = (i < lq) & (j < lkv)
-    shift = lkv - lq if mask == "causal_bottom_right" else 0
-    left, right = window if window is not None else (-1, -1)
-    if mask in ("causal", "causal_bottom_right", "padding_causal"):
-        right = 0
-    if right != -1:
-        ok &= j - (i + shift) <= right
-    if left != -1:
-        ok &= j - (i + shift) >= -left
-    return ok
+def _bench(argv: List[str]) -> int:
+    from .bench import main as bench_main
 
-
-def _run_case(case: Case, device: torch.device, dtype: torch.dtype, b: int, h: int, s: int, d: int) -> Dict[str, Any]:
-    import fused_attn
-    from fused_attn.layouts import from_logical
-
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-    sq, skv, hkv = case.sq or s, s, h // case.hkv_div
-    dv = d // 2 if case.dv == -1 else d
-    kwargs: Dict[str, Any] = dict(qkv_format=case.fmt, attn_mask_type=case.mask, window_size=case.window)
-    score_fn = None
-    if case.softcap is not None:
-        import score_mods
-
-        kwargs["score_mod"] = score_mods.softcap(case.softcap)
-        score_fn = lambda x: case.softcap * torch.tanh(x / case.softcap)
-    scale = 1.0 / math.sqrt(d)
-    if case.fmt == "thd":
-        lens = case.lengths
-        cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32, device=device)
-        t = int(cu[-1])
-        args = (rnd(t, h, d), rnd(t, hkv, d), rnd(t, hkv, dv))
-        kwargs.update(cu_seqlens_q=cu, cu_seqlens_kv=cu)
-        refs = []
-        for i, n in enumerate(lens):
-            sl = slice(sum(lens[:i]), sum(lens[:i]) + n)
-            qb, kb, vb = (x[sl].transpose(0, 1)[None] for x in args)
-            ok = _allowed(n, n, n, n, case.mask, case.window, device)
-            refs.append(_naive(qb, kb, vb, scale, ok, score_fn)[0].transpose(0, 1))
-        ref = torch.cat(refs)
-    else:
-        ql, kl, vl = rnd(b, h, sq, d), rnd(b, hkv, skv, d), rnd(b, hkv, skv, dv)
-        args = tuple(from_logical(x, case.fmt).contiguous() for x in (ql, kl, vl))
-        lens = case.lengths or [None] * b
-        oks = [_allowed(sq, skv, n or sq, n or skv, case.mask, case.window, device) for n in lens]
-        if case.lengths:
-            cu = torch.tensor([0] + [sum(lens[: i + 1]) for i in range(b)], dtype=torch.int32, device=device)
-            kwargs.update(cu_seqlens_q=cu, cu_seqlens_kv=cu)
-        ref = from_logical(_naive(ql, kl, vl, scale, torch.stack(oks)[:, None], score_fn), case.fmt)
-    backend = fused_attn.explain(*args, **kwargs).backend
-    out = fused_attn.dot_product_attention(*args, **kwargs)
-    reps = 3 if device.type == "cpu" else 20
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fused_attn.dot_product_attention(*args, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    ms = (time.perf_counter() - start) / reps * 1e3
-    err = (out.double() - ref).abs().max().item() if ref.numel() else 0.0
-    tol = 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
-    ok = math.isfinite(err) and err <= tol and bool(torch.isfinite(out).all())
-    return {"name": case.name, "backend": backend, "err": err, "tol": tol, "ms": ms, "ok": ok}
-
-
-def self_check() -> int:
-    """Run the configuration table on the present device; 0 if every check passes."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    b, h, s, d = (2, 8, 1024, 128) if cuda else (2, 4, 128, 64)
-    print(f"fused_attn self-check on {torch.cuda.get_device_name() if cuda else 'CPU'}: {dtype}, "
-          f"B={b} H={h} S={s} D={d}")
     try:
-        import score_mods  # noqa: F401
-        cases = _cases(s)
-    except ImportError:
-        cases = [c for c in _cases(s) if c.softcap is None]
-    rows, failed = [], 0
-    for case in cases:
+        return int(bench_main(argv) or 0)
+    except SystemExit as exc:  # the runner's argparse: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+def _read_entry(path: str) -> dict:
+    """The header of one stored graph file (format in fused_attn.graph_store), without importing torch."""
+    with open(path, "rb") as f:
+        prefix = f.read(16)
+        if len(prefix) != 16:
+            raise ValueError("truncated header")
+        magic, fmt, hlen = struct.unpack("<8sII", prefix)
+        if magic != b"FAGRAPH\0":
+            raise ValueError("not a stored graph (bad magic)")
+        header = json.loads(f.read(hlen).decode("utf-8"))
+    header["format"] = fmt
+    return header
+
+
+def _cache(directory: Optional[str]) -> int:
+    if directory is None:
+        print("No persistent directory given. A graph cache lives in the process that builds graphs "
+              "(fused_attn.graph_cache.cache_info() there); graphs outlive it only in a directory set with "
+              "graph_cache.set_persistent_dir(path). List one with: fused-attn cache --dir PATH")
+        return 0
+    if not os.path.isdir(directory):
+        print(f"cache --dir: {directory!r} is not a directory", file=sys.stderr)
+        return 1
+    names = sorted(n for n in os.listdir(directory) if n.endswith(".graph") and not n.startswith("."))
+    total = 0
+    print(f"persistent graph cache {os.path.abspath(directory)}: {len(names)} entries")
+    for name in names:
+        path = os.path.join(directory, name)
+        size = os.path.getsize(path)
+        total += size
         try:
-            r = _run_case(case, device, dtype, b, h, s, d)
-        except Exception as exc:  # report every failure in the table, not only the first
-            r = {"name": case.name, "backend": "-", "err": math.nan, "tol": math.nan, "ms": math.nan, "ok": False,
-                 "error": f"{type(exc).__name__}: {exc}"}
-        failed += not r["ok"]
-        rows.append(r)
-    width = max(len(r["name"]) for r in rows)
-    print(f"{'configuration':<{width}}  {'backend':<9}  {'max err':>9}  {'tol':>7}  {'ms/call':>8}  check")
-    for r in rows:
-        print(f"{r['name']:<{width}}  {r['backend']:<9}  {r['err']:>9.2e}  {r['tol']:>7.0e}  {r['ms']:>8.3f}  "
-              f"{'ok' if r['ok'] else 'FAIL'}")
-        if "error" in r:
-            print(f"    {r['error']}")
-    print(f"{len(rows) - failed}/{len(rows)} checks passed")
-    return 1 if failed else 0
+            header = _read_entry(path)
+        except (OSError, ValueError) as exc:
+            print(f"  {name[:12]}  {size:>10,} B  unreadable: {exc}")
+            continue
+        env = header.get("env", {})
+        versions = ", ".join(f"{k} {env[k]}" for k in ("cudnn", "cudnn_frontend", "torch", "arch") if k in env)
+        key = str(header.get("key", ""))
+        print(f"  {name[:12]}  {size:>10,} B  [{versions}]  {key[:90]}{'...' if len(key) > 90 else ''}")
+    print(f"total {total:,} bytes")
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    import torch
+
+    import fused_attn
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    skv = args.seqlen_kv or args.seqlen
+    hkv = args.kv_heads or args.heads
+    order = {"bshd": lambda b, s, h, d: (b, s, h, d), "sbhd": lambda b, s, h, d: (s, b, h, d),
+             "bhsd": lambda b, s, h, d: (b, h, s, d)}[args.format]
+    dtype = getattr(torch, args.dtype)
+    try:
+        q = torch.empty(order(args.batch, args.seqlen, args.heads, args.head_dim), dtype=dtype, device=device)
+        k = torch.empty(order(args.batch, skv, hkv, args.head_dim), dtype=dtype, device=device)
+        ex = fused_attn.explain(q, k, k, qkv_format=args.format, attn_mask_type=args.mask,
+                                window_size=tuple(args.window) if args.window else None, backend=args.backend)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError) as exc:
+        print(f"explain: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"backend: {ex.backend}\nreason:  {ex.reason}\nproblem: {ex.problem}")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `python -m fused_attn` / `fused-attn`; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
+    if argv[:1] == ["bench"]:  # the benchmark runner owns its options (and its --help)
+        return _bench(argv[1:])
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors: argparse's status (0 or 2)
+        return int(exc.code or 0)
+    if args.command in (None, "check"):
+        from .selfcheck import self_check
+
         return self_check()
-    command, rest = argv[0], argv[1:]
-    if command == "bench":
-        from fused_attn import bench
-
-        return int(bench.main(rest) or 0)
-    if command == "cache" and not rest:
-        from fused_attn import graph_cache
-
-        print(graph_cache.cache_info())
+    if args.command == "cache":
+        return _cache(args.directory)
+    if args.command == "explain":
+        return _explain(args)
+    if args.command == "help":
+        if args.topic == "bench":
+            return _bench(["--help"])
+        (_subparser(parser, args.topic) if args.topic else parser).print_help()
         return 0
-    if command in ("-h", "--help"):
-        print(USAGE)
-        print(__doc__)
-        return 0
-    print(f"unknown arguments {argv!r}\n{USAGE}", file=sys.stderr)
+    parser.print_help()  # pragma: no cover - every command is handled above
     return 2
 
 

@@ -1,11 +1,12 @@
 """Installs `fused_attn.distributed`'s entry points into the core's extension hooks
-(`fused_attn.extensions`); the distributed package itself is imported on first use only."""
+(`fused_attn.extensions`) and tells `fused_attn.planning` how to load the planner; neither the
+distributed package nor the planner is imported before first use."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import extensions
+from . import extensions, planning
 
 __all__: list = []
 
@@ -46,3 +47,10 @@ for _name, _fn in (("dtensor_call", _dtensor_call), ("dtensor_module_forward", _
                    ("dtensor_doc_packed", _dtensor_doc_packed), ("module_context_parallel", _module_context_parallel),
                    ("cp_choices", _cp_choices)):
     extensions.provide(_name, _fn)
+
+
+def _load_planner() -> None:
+    from . import plan  # noqa: F401  (installs itself into fused_attn.planning)
+
+
+planning.load_with(_load_planner)

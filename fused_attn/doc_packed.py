@@ -63,7 +63,7 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
     if not isinstance(cu_seq, torch.Tensor):
         raise TypeError(f"cu_seq must be a (B, MAX_DOCS+1) int32 torch.Tensor, got {type(cu_seq).__name__}")
     if cu_seq.dtype != torch.int32:
-        raise TypeError(f"cu_seq must have dtype torch.int32, got {cu_seq.dtype}")
+        raise TypeError(f"cu_seq must have dtype torch.int32, got {cu_seq.dtype} (convert it with cu_seq.int())")
     if cu_seq.dim() != 2:
         raise ValueError(f"cu_seq must have shape (B, MAX_DOCS+1) (2 dims), got shape {tuple(cu_seq.shape)}")
     if cu_seq.shape[0] != batch:

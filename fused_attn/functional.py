@@ -53,6 +53,8 @@ def dot_product_attention(
         qkv_format "bshd": query (B, Sq, H, D), key (B, Skv, Hkv, D), value (B, Skv, Hkv, Dv)
                    "sbhd": (S, B, H, D)   "bhsd": (B, H, S, D)
                    "thd":  query (Tq, H, D), key/value (Tkv, Hkv, D|Dv) with cu_seqlens_q/kv (B+1,) int32
+        The format is not guessed from the shapes: (B, H, S, D) tensors under the default "bshd"
+        run as if S were the heads (DotProductAttention catches it from its head counts).
         out: the query's format with Dv; lse (return_lse=True): fp32 (B, H, Sq), or (H, Tq) for thd.
     H must be a multiple of Hkv (GQA/MQA). softmax_scale defaults to 1/sqrt(D).
 

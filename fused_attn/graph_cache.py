@@ -163,7 +163,13 @@ def warmup(configs: Iterable[Dict[str, Any]], backward: bool = True) -> CacheInf
     configs = list(configs)
     for i, cfg in enumerate(configs):  # every config is checked before any graph is built
         _check_config(cfg, i)
-    for cfg in configs:
+    if configs and not torch.cuda.is_available():
+        raise RuntimeError(f"graph_cache.warmup builds cuDNN graphs on a CUDA device, and this torch "
+                           f"({torch.__version__}) sees none; without a GPU there is nothing to warm up (the "
+                           "reference backend builds no graphs)")
+    from .progress import progress
+
+    for cfg in progress(configs, desc="graph warm-up"):
         q, k, v, extra = _inputs(cfg, backward)
         kwargs: Dict[str, Any] = dict(qkv_format=cfg.get("qkv_format", "bshd"), backend="cudnn", **extra)
         for name in ("attn_mask_type", "window_size", "score_mod", "softmax_scale", "deterministic"):

@@ -244,8 +244,10 @@ class DotProductAttention(nn.Module):
             for name, t, heads, dim, heads_arg in want:
                 _, h, _, d = dims(t, fmt)
                 if h != heads:
+                    hint = next((f"; a {o} tensor? pass qkv_format={o!r}" for o in ("bshd", "sbhd", "bhsd")
+                                 if o != fmt and dims(t, o)[1] == heads and dims(t, o)[3] == dim), "")
                     raise ValueError(f"{name} has {h} heads but the module was built with {heads_arg}={heads} "
-                                     f"(qkv_format={fmt!r}, shape {tuple(t.shape)})")
+                                     f"(qkv_format={fmt!r}, shape {tuple(t.shape)}){hint}")
                 if d != dim:
                     raise ValueError(f"{name} has head dim {d} but the module was built with kv_channels="
                                      f"{(self.head_dim_qk, self.head_dim_v)} (qkv_format={fmt!r}, shape "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, NamedTuple, Optional
 
-__all__ = ["Planner", "install", "planner", "clear_plans"]
+__all__ = ["Planner", "install", "load_with", "planner", "clear_plans"]
 
 
 class Planner(NamedTuple):
@@ -29,6 +29,7 @@ class Planner(NamedTuple):
 
 _lock = threading.Lock()
 _installed: list = []  # at most one Planner
+_loader: list = []  # at most one callable that imports the planner's module (set by the package)
 
 
 def install(p: Planner) -> None:
@@ -37,10 +38,19 @@ def install(p: Planner) -> None:
         _installed[:] = [p]
 
 
+def load_with(loader: Callable[[], None]) -> None:
+    """How to install the planner when an engine asks before anything imported it (the package
+    sets this: its public names load lazily)."""
+    with _lock:
+        _loader[:] = [loader]
+
+
 def planner() -> Planner:
-    """The installed planner (RuntimeError if fused_attn.plan was never imported)."""
+    """The installed planner (RuntimeError if none is installed and none can be loaded)."""
+    if not _installed and _loader:
+        _loader[0]()
     if not _installed:
-        raise RuntimeError("fused_attn.planning: no planner installed (import fused_attn first)")
+        raise RuntimeError("fused_attn.planning: no planner installed (import fused_attn.plan first)")
     return _installed[0]
 
 

@@ -121,7 +121,7 @@ def bound_from(same_dtype: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype
     error of the same computation done naively in `dtype` (`same_dtype`, against `exact`), plus
     the dtype's floor relative to max(1, max|exact|)."""
     fl = DEFAULT_FLOOR.get(dtype, 1e-5) if floor is None else floor
-    scale = max(1.0, float(exact.abs().max())) if exact.numel() else 1.0
+    scale = max(1.0, float(exact.detach().abs().max())) if exact.numel() else 1.0
     return factor * max_error(same_dtype, exact) + fl * scale
 
 

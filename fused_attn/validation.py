@@ -117,7 +117,10 @@ def check_qkv(query: Any, key: Any, value: Any, qkv_format: str) -> None:
     h, hk, hv = q[1], k[1], v[1]
     if hk != hv:
         raise ValueError(f"key and value must have the same number of heads, got {hk} and {hv}")
-    if hk < 1 or h % hk != 0:
+    if h < 1 or hk < 1:
+        raise ValueError(f"query, key and value need at least one head, got {h} query and {hk} key/value heads "
+                         f"(qkv_format={qkv_format!r}: heads are dim {qkv_format.index('h')})")
+    if h % hk != 0:
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hk}) for GQA/MQA")
     if q[3] != k[3]:
         raise ValueError(f"query and key must have the same head dim, got {q[3]} and {k[3]}")
@@ -154,7 +157,7 @@ def _check_cu_meta(arg: str, t: Any, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg} must be a (B+1,) int32 torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
-        raise TypeError(f"{arg} must have dtype torch.int32, got {t.dtype}")
+        raise TypeError(f"{arg} must have dtype torch.int32, got {t.dtype} (convert it with {arg}.int())")
     if t.dim() != 1 or t.numel() < 2:
         raise ValueError(f"{arg} must be 1-D of shape (B+1,) with B >= 1, got shape {tuple(t.shape)}")
     if t.device != device:
@@ -230,6 +233,8 @@ def derive_max_seqlens(varlen: Any) -> Tuple[int, int]:
     for arg, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 2:
             return (varlen.max_seqlen_q or 0, varlen.max_seqlen_kv or 0)  # check_length_structure names it
+    if cu_q.device.type == "meta" or cu_kv.device.type == "meta":  # no values: check_length_structure names it
+        return (varlen.max_seqlen_q or 0, varlen.max_seqlen_kv or 0)
     rows = [cu_q, cu_kv]
     if cu_q.shape != cu_kv.shape or cu_q.device != cu_kv.device or cu_q.dtype != cu_kv.dtype:
         return (varlen.max_seqlen_q or 0, varlen.max_seqlen_kv or 0)

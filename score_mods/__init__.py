@@ -1,4 +1,9 @@
-"""score_mods: write an attention score modifier once, get cuDNN forward/backward and a torch reference."""
+"""score_mods: write an attention score modifier once, get cuDNN forward/backward and a torch reference.
+
+Part of fused_attn: the fused-attn distribution installs it as its second top-level package, next
+to `fused_attn` (the layout is fixed). It is not a separate project; it depends only on torch,
+and no module of the standard library or of torch has this name, so it shadows none of them.
+"""
 
 from .base import LENGTH_OPERANDS, ScoreMod
 from .expr import (

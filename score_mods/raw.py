@@ -140,6 +140,24 @@ def raw_callback(fn: Callable, bprop: Optional[Callable] = None, tensors: Option
     return RawCallbackMod(fn, bprop=bprop, tensors=tensors, bprop_tensors=bprop_tensors, cache_key=cache_key, reference=reference)
 
 
+def _library_factory_call(obj: Any) -> Optional[str]:
+    """`softcap(30.0)` when `obj` is a public factory of the score_mods package (`softcap`, `gym.natten`:
+    functions that return a ScoreMod), else None."""
+    module, name = getattr(obj, "__module__", None) or "", getattr(obj, "__name__", "")
+    if not inspect.isfunction(obj) or name.startswith("_") or module.split(".")[0] != __name__.split(".")[0]:
+        return None
+    try:
+        params = list(inspect.signature(obj).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if [p.name for p in params[:5]] == ["score", "b", "h", "q_idx", "kv_idx"]:
+        return None
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    args = required or [repr(p.default) for p in params[:1] if p.default is not inspect.Parameter.empty]
+    return f"{name}({', '.join(args)})"
+
+
 def as_score_mod(obj: Any, *, tensors=None, bprop=None, bprop_tensors=None, cache_key=None, reference=None) -> Optional[ScoreMod]:
     """Normalize what `dot_product_attention(score_mod=...)` receives into a ScoreMod (None stays None).
 
@@ -159,6 +177,9 @@ def as_score_mod(obj: Any, *, tensors=None, bprop=None, bprop_tensors=None, cach
                         f"cuDNN callback; got {type(obj).__name__}")
     if given:
         return raw_callback(obj, reference=reference, **raw_args)
+    factory = _library_factory_call(obj)
+    if factory is not None:
+        raise TypeError(f"score_mod={obj.__name__} is the factory; call it, e.g. score_mod={factory}")
     try:
         nparams = len(inspect.signature(obj).parameters)
     except (TypeError, ValueError):

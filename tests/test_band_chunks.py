@@ -84,6 +84,7 @@ def test_rectangles_hold_exactly_the_band(small_thresholds, band, sq, skv):
     assert _check_rectangles(band, sq, skv)
 
 
+@pytest.mark.slow
 def test_rectangles_hold_exactly_random_bands(small_thresholds):
     rng = random.Random(11)
     for _ in range(60):
@@ -155,6 +156,7 @@ CASES = [("causal", None, 600, 600), ("causal", None, 600, 700), ("causal_bottom
          ("no_mask", (150, 30), 640, 640)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("mask, window, sq, skv", CASES)
 @pytest.mark.parametrize("return_lse", [False, True])
@@ -194,6 +196,7 @@ def test_rectangles_equal_the_unchunked_call(small_thresholds, monkeypatch, fmt,
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["both", "forward"])
 def test_rectangles_with_fixed_sinks_equal_the_unchunked_call(small_thresholds, monkeypatch, how):
     monkeypatch.setattr(C, "strategy", lambda *a: how)
@@ -213,6 +216,7 @@ def test_rectangles_with_fixed_sinks_equal_the_unchunked_call(small_thresholds, 
     _assert_same(plain, chunked, False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["both", "forward"])
 def test_backward_refuses_a_score_mod_changed_in_place(small_thresholds, monkeypatch, how):
     monkeypatch.setattr(C, "strategy", lambda *a: how)
@@ -257,6 +261,7 @@ def _no_host_cost(monkeypatch, per_piece=(0.0, 0.0, 0.0)):
     C.clear_memos()
 
 
+@pytest.mark.slow
 def test_calls_that_do_not_pay_are_not_cut(monkeypatch):
     C.clear_memos()
     spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
@@ -289,6 +294,7 @@ def test_the_route_is_decided_once_per_signature(monkeypatch):
     C.clear_memos()
 
 
+@pytest.mark.slow
 def test_training_calls_weigh_their_backward_rectangles_too(monkeypatch):
     spec, mod = resolve_spec(score_mod=sm.softcap(5.0), attn_mask_type="causal")
     q = torch.randn(1, 512, 2, 16, dtype=torch.float64)
@@ -315,6 +321,7 @@ def _ragged_cover(g):
     return cover
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq, left", [(700, 200), (640, 150), (1000, 127), (4096, 1023), (3000, 1023), (513, 128),
                                        (900, 1)])
 def test_packed_window_calls_hold_exactly_the_band(seq, left):
@@ -336,6 +343,7 @@ def test_packed_window_needs_rows_past_its_head():
     assert geometry(1, 512, 600) is None and geometry(1, 512, 0) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mask, window, seq", [("causal", (200, 0), 700), ("no_mask", (150, 0), 640),
                                                ("causal", (127, 0), 1000), ("causal", (300, 0), 300 + 257)])
 @pytest.mark.parametrize("return_lse", [False, True])
@@ -364,6 +372,7 @@ def test_packed_window_backward_equals_the_unchunked_call(small_thresholds, monk
     assert calls and all(c.backward_ragged is not None and c.backward_full is None for c in calls)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt, mask, window, sq, skv, deterministic", [
     ("sbhd", "causal", (200, 0), 700, 700, False), ("bshd", "causal", None, 700, 700, False),
     ("bshd", "no_mask", (150, 30), 640, 640, False), ("bshd", "causal_bottom_right", (150, 0), 600, 650, False),

@@ -21,6 +21,7 @@ def _read_csv(path):
         return header, list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # every benchmark suite at tiny shapes on CPU, models included
 def test_cpu_smoke_checks_times_and_writes_csv(tmp_path):
     result = cpu_smoke(str(tmp_path))
     assert result.failures == []
@@ -56,9 +57,10 @@ def test_cpu_smoke_checks_times_and_writes_csv(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
-def test_main_without_cuda_says_so_and_exits_zero(tmp_path, capsys):
-    assert main(["bench", "dense", "--out", str(tmp_path)]) == 0
-    assert "need a CUDA GPU" in capsys.readouterr().out
+def test_main_without_cuda_says_so_and_fails(tmp_path, capsys):
+    assert main(["bench", "dense", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "need a CUDA GPU" in err and "--cpu-smoke" in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -89,6 +91,7 @@ def _bhsd(g, b, h, s, d, dtype=torch.float64):
     return torch.randn(b, h, s, d, generator=g, dtype=dtype)
 
 
+@pytest.mark.slow
 def test_naive_attention_matches_torch_float64_with_grads():
     g = torch.Generator().manual_seed(0)
     q, do = _bhsd(g, 2, 4, 33, 16), _bhsd(g, 2, 4, 33, 16)
@@ -109,6 +112,7 @@ def test_naive_attention_matches_torch_float64_with_grads():
     assert set(got) == {"out"}
 
 
+@pytest.mark.slow
 def test_naive_attention_row_blocks_match_one_block():
     """The large-shape path (query-row blocks, dk/dv summed over blocks) against one block, with
     a mask, GQA and a score_fn that reads every index (offsets of the blocks)."""
@@ -135,6 +139,7 @@ def _ref_and_tol():
     return reference_and_bounds(lambda dt: naive_attention(q, k, v, scale=0.25, dtype=dt), torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_reference_and_bounds_follow_the_shared_rule():
     g = torch.Generator().manual_seed(2)
     q, k, v, do = (torch.randn(1, 2, 40, 16, generator=g, dtype=torch.bfloat16) for _ in range(4))
@@ -191,6 +196,7 @@ def test_run_config_does_not_time_wrong_impls_and_reports_them():
     assert by["peer_crash"]["note"].startswith("unsupported: NotImplementedError")
 
 
+@pytest.mark.slow
 def test_dense_run_fails_on_a_subtly_wrong_fused_attn(monkeypatch):
     """The whole dense path (slice, float64 reference, bf16 bound, check): a fused_attn that
     gets the softmax scale 5% wrong is reported and not timed; the correct peer still is."""
@@ -218,6 +224,7 @@ def test_dense_run_fails_on_a_subtly_wrong_fused_attn(monkeypatch):
         assert by[("torch_sdpa_math", mode)]["max_err"] <= by[("torch_sdpa_math", mode)]["bound"]
 
 
+@pytest.mark.slow
 def test_host_run_fails_on_a_wrong_forward(monkeypatch):
     """A fused_attn forward 2% off is a failure of the host suite and its row is not timed."""
     real = host._forwards
@@ -266,6 +273,7 @@ def test_lengths_and_document_bounds():
     assert (bounds[:, 1:] > bounds[:, :-1]).all() and (bounds % 64 == 0).all()
 
 
+@pytest.mark.slow
 def test_mods_bench_checks_a_trained_bias_gradient_over_the_whole_batch():
     """The trained post_scale_bias rows time and check dBias (summed over every batch row): a wrong
     bias gradient fails the check."""
@@ -373,6 +381,7 @@ def test_a_suite_result_merges_and_runs_its_profiler_passes_once():
     assert seen == ["a", "b"] and a.profiled == [] and a.failures == []
 
 
+@pytest.mark.slow
 def test_recompile_limit_reports_are_collected():
     """A torch.compile function past its recompile limit runs uncompiled: the models suite notes it."""
     from fused_attn.bench.models import recompile_limit_hits

@@ -43,6 +43,7 @@ def test_keys_differing_in_one_field_are_unequal(field_name):
     assert a != (a._key) and a != "fwd"
 
 
+@pytest.mark.slow
 def test_equal_keys_intern_to_one_object_held_weakly():
     def intern_two_and_build(cache):
         a, b = make_key(), make_key()
@@ -146,6 +147,7 @@ def test_builder_error_caches_nothing():
     assert len(calls) == 1
 
 
+@pytest.mark.slow
 def test_set_maxsize_shrinks_and_validates():
     cache, calls = GraphCache(maxsize=8), []
     keys = [make_key(scale=float(i)) for i in range(6)]
@@ -158,6 +160,7 @@ def test_set_maxsize_shrinks_and_validates():
             cache.set_maxsize(bad)
 
 
+@pytest.mark.slow
 def test_clear_and_eviction_release_graphs():
     cache = GraphCache(maxsize=1)
     g = FakeGraph()
@@ -248,6 +251,7 @@ def test_many_threads_many_keys():
     assert info.hits + info.misses == 8 * 200 and info.builds == 12 and info.size == 12
 
 
+@pytest.mark.slow
 def test_public_module_api():
     from fused_attn import graph_cache
 

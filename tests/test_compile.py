@@ -86,6 +86,7 @@ def fwd_args(qkv, spec, mod, varlen):
             None, scalars, [], None, ops.register_spec(spec))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [dense_call, thd_call])
 @pytest.mark.parametrize("sm", [None, Softcap(3.0)])
 def test_opcheck_forward(make, sm):
@@ -93,6 +94,7 @@ def test_opcheck_forward(make, sm):
     torch.library.opcheck(torch.ops.fused_attn.attn_fwd.default, fwd_args(qkv, spec, mod, varlen))
 
 
+@pytest.mark.slow
 def test_opcheck_backward():
     qkv, spec, mod, varlen = dense_call(Softcap(2.0))
     a = fwd_args(qkv, spec, mod, varlen)
@@ -102,6 +104,7 @@ def test_opcheck_backward():
     torch.library.opcheck(torch.ops.fused_attn.attn_bwd.default, bwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make", [dense_call, thd_call])
 def test_attention_forward_backward_match_naive(make):
     (q, k, v), spec, mod, varlen = make(Softcap(2.5))
@@ -174,6 +177,7 @@ def _run(model, x, *extra):
     return y.detach(), grads
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("sm", [None, 2.0])
@@ -191,6 +195,7 @@ def test_compiled_block_matches_eager(backend, varlen, sm, request):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_inductor_small_case():
     torch.manual_seed(0)
     model = Block(score_mod=softcap(2.0))
@@ -208,6 +213,7 @@ def test_inductor_small_case():
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_no_recompile_when_float_param_changes():
     torch._dynamo.reset()
     model = Block(score_mod=softcap(2.0))
@@ -249,6 +255,7 @@ def test_dispatch_mode_sees_custom_ops_in_forward_and_backward():
     assert q.grad is not None and k.grad is not None and v.grad is not None
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_functional_call_compiles_fullgraph_with_score_mod_and_mask():
     mod = softcap(3.0)
 
@@ -260,6 +267,7 @@ def test_functional_call_compiles_fullgraph_with_score_mod_and_mask():
     torch.testing.assert_close(compiled(q, k, v), f(q, k, v))
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_varlen_and_doc_packed_compile_fullgraph():
     cu = torch.tensor([0, 3, 8, 16], dtype=torch.int32)
     cu_seq = torch.tensor([[0, 3, 8], [0, 8, 8]], dtype=torch.int32)
@@ -302,6 +310,7 @@ def fresh_structures(monkeypatch):
     monkeypatch.setattr(templates, "_ORDER", templates.OrderedDict())
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 @pytest.mark.parametrize("name", list(_BUILT_INSIDE))
 def test_score_mods_built_inside_a_fullgraph_compiled_function(name, fresh_structures):
     """A model may build its score_mod in forward (softcap(self.cap), post_scale_bias(self.bias),
@@ -376,6 +385,7 @@ def _grid(s):
     return z, z, torch.arange(s).view(1, 1, -1, 1), torch.arange(s).view(1, 1, 1, -1)
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 def test_a_native_band_survives_into_the_compiled_spec():
     """The cuDNN lowering runs a pure library mask as its own band (`native_band`); the spec a
     compiled call registers must keep it, for mods passed in and built inside alike."""
@@ -389,6 +399,7 @@ def test_a_native_band_survives_into_the_compiled_spec():
         assert spec.score_mod.native_band == (3, 0, False)
 
 
+@pytest.mark.slow  # torch.compile on CPU: seconds a case
 @pytest.mark.parametrize("layout", ["dense", "expanded"])
 def test_a_traced_mods_compiled_spec_is_the_one_the_mod_itself_gives(layout):
     """Under torch.compile a traced mod reaches the spec resolution as (origin, dtypes, ranks,
@@ -442,10 +453,12 @@ def check_compiled_bias_calls(device: str, backend: str, dtype: torch.dtype, s0:
             assert_close(g, e, bound_from(n, e, dtype), f"S={s} bias batch {bb}: {name}")
 
 
+@pytest.mark.slow
 def test_compiled_bias_calls_follow_each_calls_shapes():
     check_compiled_bias_calls("cpu", "reference", torch.float32, 16)
 
 
+@pytest.mark.slow
 def test_origins_cross_into_compiled_code_by_name_while_they_live():
     """Compiled code hands a mod's origin to eager code by name (a constant in every torch
     version); the name table holds origins weakly, so it grows with live mods only."""

@@ -122,6 +122,7 @@ def full_cycle(runner, q, k, v, varlen, mod, sinks, grad_shapes):
     return out, lse
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("kw", [dict(), dict(attn_mask_type="causal"), dict(score_mod=sm.softcap(20.0)),
                                 dict(score_mod=sm.softcap(20.0), attn_mask_type="causal_bottom_right",
@@ -136,6 +137,7 @@ def test_dense_runner_binds_every_slot(stub, fmt, kw):
     assert stub and all("dQ" in s for s in stub[1:])
 
 
+@pytest.mark.slow
 def test_dense_runner_lse_given_backward(stub):
     q, k, v = (bf16(1, 128, 2, 64) for _ in range(3))
     runner, mod = runner_for(q, k, v, backend="cudnn", return_lse=True)
@@ -145,6 +147,7 @@ def test_dense_runner_lse_given_backward(stub):
     assert grads[0].shape == q.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_inference_writes_stats_to_the_stream_scratch(stub, monkeypatch, return_lse):
     """Without gradients and without return_lse, the discarded Stats go to the per-stream scratch
@@ -166,6 +169,7 @@ def test_inference_writes_stats_to_the_stream_scratch(stub, monkeypatch, return_
         assert stats1 is stats2 and stats1.dtype == torch.float32 and stats1.numel() >= 2 * 128
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(1, 2, 128, 128), (2, 1, 128, 128)])
 def test_trained_bias_view_gets_dbias(stub, shape):
     q, k, v = (bf16(2, 128, 2, 64) for _ in range(3))
@@ -177,6 +181,7 @@ def test_trained_bias_view_gets_dbias(stub, shape):
     full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [shape])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 def test_sink_and_bias_grads_are_read_after_the_run(stub, packed):
     """bf16 sinks / fp32 bias tables are cast from the fp32 / bf16 buffers the graph writes: the
@@ -219,6 +224,7 @@ def test_sink_and_bias_grads_are_read_after_the_run(stub, packed):
     torch.testing.assert_close(d_sink.float(), torch.full((2,), _WRITTEN["dSink"]))
 
 
+@pytest.mark.slow
 def test_trained_table_goes_through_a_materialized_bias(stub):
     @sm.score_mod
     def rel(score, b, h, q_idx, kv_idx, table=sm.TensorParam()):
@@ -234,6 +240,7 @@ def test_trained_table_goes_through_a_materialized_bias(stub):
     full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [(2, 15)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skv", [192, 64])
 @pytest.mark.parametrize("with_softcap", [False, True])
 def test_key_length_64_mod_128_pads_the_backward(stub, skv, with_softcap):
@@ -258,6 +265,7 @@ def test_key_length_64_mod_128_pads_the_backward(stub, skv, with_softcap):
     full_cycle(runner, q, k, v, NO_VARLEN, mod, None, [None])
 
 
+@pytest.mark.slow
 def test_misaligned_inputs_are_copied(stub):
     base = torch.randn(2 * 128 * 2 * 64 + 1).to(torch.bfloat16)
     q = base[1:].view(2, 128, 2, 64)
@@ -275,6 +283,7 @@ def _thd(lens_q, lens_kv, h=4, hkv=2):
     return q, k, v, Varlen(cq, ck, None, None, max(lens_q), max(lens_kv))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(), dict(attn_mask_type="causal"), dict(score_mod=sm.softcap(20.0)),
                                 dict(softmax_type="off-by-one"), dict(dropout_p=0.2)])
 def test_thd_runner_binds_every_slot(stub, kw):
@@ -285,6 +294,7 @@ def test_thd_runner_binds_every_slot(stub, kw):
     assert out.shape == (135, 4, 64) and lse.shape == (4, 135)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw, dense", [
     (dict(attn_mask_type="causal"), False),
     (dict(attn_mask_type="causal", window_size=(16, 0)), False),
@@ -314,6 +324,7 @@ def test_packed_score_mods_the_ragged_graph_cannot_bound_run_as_a_padded_dense_b
         assert "ragged_key_tail_next_to_score_mod" in why
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(attn_mask_type="no_mask"), dict(attn_mask_type="causal_bottom_right"),
                                 dict(attn_mask_type="no_mask", window_size=(8, 8))])
 def test_packed_as_dense_runner_binds_every_slot(stub, kw):
@@ -348,6 +359,7 @@ def test_packed_as_dense_refuses_sinks_and_huge_biases():
     assert why is not None and "indexed by positions" in why and "'w'" in why
 
 
+@pytest.mark.slow
 def test_padded_score_mod_without_causal_mask_runs_as_a_padded_dense_batch(stub):
     """A padded batch whose score_mod the ragged graph cannot bound (no causal mask) runs through its
     packed form as the padded dense batch with the lengths in the bias; under a causal mask it keeps
@@ -383,6 +395,7 @@ def test_padded_score_mod_whose_packed_form_is_refused_stays_refused(monkeypatch
             assert "ragged_key_tail_next_to_score_mod" in why
 
 
+@pytest.mark.slow
 def test_padded_dense_runs_as_packed(stub):
     from fused_attn.backends.cudnn.padded import PaddedAsThdRunner
 
@@ -397,6 +410,7 @@ def test_padded_dense_runs_as_packed(stub):
     assert torch.isinf(lse[0]).all()  # sequence 0 has no key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(), dict(score_mod=sm.softcap(20.0), attn_mask_type="causal"),
                                 dict(softmax_type="off-by-one"),
                                 dict(score_mod=sm.softcap(20.0), attn_mask_type="causal_bottom_right",
@@ -423,6 +437,7 @@ def test_cudnn_runner_through_the_custom_ops_under_compile(stub, kw):
     assert all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("how", ["forward", "both"])
 def test_band_rectangles_write_into_the_calls_own_outputs(stub, monkeypatch, fmt, how):
@@ -462,6 +477,7 @@ def test_band_rectangles_write_into_the_calls_own_outputs(stub, monkeypatch, fmt
             assert len({b[name].untyped_storage().data_ptr() for b in bound}) == 1
 
 
+@pytest.mark.slow
 def test_trained_bias_under_a_causal_mask_runs_as_band_plus_bias(stub):
     """A learned table added under a causal mask (T5 decoder style): the mask becomes cuDNN's own
     band and the table its bias input, so dBias has no score_mod callback beside it."""
@@ -525,6 +541,7 @@ def test_batch_only_inputs_are_refused_in_masks_and_products(name):
         assert "varies along the batch only" in why and "@b" in why
 
 
+@pytest.mark.slow
 def test_operand_memo_follows_in_place_value_changes(stub):
     """The runner reuses a mod's bound operands across calls, and a value changed in place
     (take_values: what a module's score_mod assignment does) is bound on the next call."""
@@ -554,6 +571,7 @@ def _cycles_left_by(fn) -> int:
         gc.enable()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dense", "dense_softcap", "padded", "thd", "reference"])
 def test_a_training_call_leaves_no_reference_cycle(stub, case):
     """The forward's saved state must not reference its own output: the cycle out -> grad_fn ->
@@ -579,6 +597,7 @@ def test_a_training_call_leaves_no_reference_cycle(stub, case):
     assert _cycles_left_by(lambda: call().float().sum().backward()) == 0
 
 
+@pytest.mark.slow
 def test_compiled_calls_build_their_graphs_for_their_own_tensor_shapes(stub):
     """Under torch.compile the spec registry keeps one template per structure; a later compiled
     call with a differently shaped tensor parameter (another sequence length, a per-batch bias)
@@ -603,6 +622,7 @@ def test_compiled_calls_build_their_graphs_for_their_own_tensor_shapes(stub):
     assert graphs == [(1, 2, 128, 128), (1, 2, 256, 256), (2, 2, 128, 128)]
 
 
+@pytest.mark.slow
 def test_large_packed_backward_is_sized_by_its_tokens(stub, monkeypatch):
     """A packed backward whose padded dQ workspace (B_bucket x S_bucket x H x D fp32) is large and
     at least 4x the token-sized one runs a graph built for the token capacity; small ones, and

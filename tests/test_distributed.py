@@ -212,6 +212,7 @@ def _fake_inputs(kind):
 KINDS = ["doc_packed", "module", "dot_product_attention", "varlen", "thd"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_autoparallel_style_capture_with_fake_tensors(kind):
     """What AutoParallel does before sharding: dynamo export capture + AOT joint graph on fake
@@ -236,6 +237,7 @@ def test_autoparallel_style_capture_with_fake_tensors(kind):
     assert not any("_local_scalar_dense" in t or t.endswith(".item") for t in targets), sorted(targets)
 
 
+@pytest.mark.slow  # torch.compile under fake tensors
 @pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 11),
                     reason="torch 2.10 cannot torch.compile under an active FakeTensorMode (torch's own SDPA fails "
                            "the same way: the backend's fake mode differs from the inputs')")
@@ -253,6 +255,7 @@ def test_compile_fullgraph_with_fake_tensors(kind):
         assert x.grad.shape == x.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["module", "dot_product_attention"])
 def test_eager_dense_calls_with_fake_tensors(kind):
     from torch._subclasses import FakeTensorMode
@@ -263,6 +266,7 @@ def test_eager_dense_calls_with_fake_tensors(kind):
         _entry(kind)(x, cu).sum().backward()
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="core: eager thd calls on CPU fake tensors read cu_seqlens on the host "
                    "(fused_attn/validation.py check_length_values: torch.stack(tensors).tolist() on the CPU branch, "
                    "which does not test for fake tensors; then the reference's thd loop reads the offsets)")
@@ -327,16 +331,19 @@ def _check(results: dict, case: str) -> None:
     assert ok, msg
 
 
+@pytest.mark.slow  # spawned gloo process groups
 @pytest.mark.parametrize("case", _dist_cases.case_names(2))
 def test_two_processes(group_results, case):
     _check(group_results(2), case)
 
 
+@pytest.mark.slow  # spawned gloo process groups
 @pytest.mark.parametrize("case", _dist_cases.case_names(4))
 def test_four_processes(group_results, case):
     _check(group_results(4), case)
 
 
+@pytest.mark.slow  # spawned gloo process groups
 def test_bench_cp_cpu_smoke(tmp_path):
     """benchmarks/bench_cp.py under torchrun on 2 CPU processes (--cpu-smoke): every row is
     written and checked, none has an error note."""
@@ -369,6 +376,7 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_core_entry_points_route_dtensors(one_rank_group):
     """fused_attn.dot_product_attention / varlen_attn / DotProductAttention / doc_packed_attn given
     DTensors go to fused_attn.distributed (a one-rank group here: the routing, not the sharding,

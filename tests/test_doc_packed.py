@@ -61,15 +61,18 @@ def test_doc_cu_seqlens_global_offsets_and_sentinels():
     assert lengths.tolist() == [5, 1, 6, 12, 0, 0, 1, 1, 10]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"window_size": (2, 1)}, {"is_causal": True, "window_size": (3, -1)}])
 def test_matches_per_document_naive(kw):
     check(*make(), CU, **kw)
 
 
+@pytest.mark.slow
 def test_gqa_and_scale():
     check(*make(h=6, hkv=3), CU, enable_gqa=True, scale=0.2, is_causal=True)
 
 
+@pytest.mark.slow
 def test_documents_do_not_see_each_other():
     q, k, v = make()
     out = doc_packed_attn(q, k, v, CU)
@@ -81,6 +84,7 @@ def test_documents_do_not_see_each_other():
     assert not torch.allclose(out[0, 6:], out2[0, 6:])
 
 
+@pytest.mark.slow
 def test_grads_match_naive():
     q, k, v = make(b=2, s=9, h=4, hkv=2, grad=True)
     cu = torch.tensor([[0, 4, 9, 9], [0, 1, 3, 9]], dtype=torch.int32)
@@ -95,6 +99,7 @@ def test_grads_match_naive():
         assert_close(a, r64, bound_from(r32, r64, torch.float32), f"d{name}")
 
 
+@pytest.mark.slow
 def test_bf16():
     check(*make(dtype=torch.bfloat16), CU, is_causal=True)
 
@@ -129,6 +134,7 @@ def test_cu_seq_device_checked():
     assert check_doc_boundaries(CU, 3, 12, torch.device("meta")) == 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_doc_len", [None, 11])
 def test_a_host_table_sizes_the_graph_by_its_longest_document(monkeypatch, max_doc_len):
     """max_doc_len defaults to the longest document of a host table (read there for free), so
@@ -166,6 +172,7 @@ def test_qkv_errors():
         doc_packed_attn(q, k, v, CU, is_causal=1)
 
 
+@pytest.mark.slow
 def test_boundary_table_is_checked_once_per_table_and_version(monkeypatch):
     """Layers sharing one table check and derive its offsets once; an in-place edit is seen."""
     from fused_attn import doc_packed as dp
@@ -186,6 +193,7 @@ def test_boundary_table_is_checked_once_per_table_and_version(monkeypatch):
     assert len(calls) == 3
 
 
+@pytest.mark.slow
 def test_argument_checks_run_once_per_call_configuration(monkeypatch):
     """A model's layers repeat one call: its argument checks run once per (table, shapes,
     arguments); a value equal to a cached one but of another type is still refused."""

@@ -92,6 +92,7 @@ def test_graph_key_text_leaves_out_the_per_process_hash():
     assert stable_repr(dataclasses.replace(key, scale=0.25)) != text
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_key_text_stable_across_processes():
     expected = f"{stable_repr(sw.sample_key())}\n{key_digest(sw.sample_key())}"
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import _store_worker; _store_worker.print_sample_digest()"
@@ -365,6 +366,7 @@ def test_processes_share_a_directory(tmp_path):
         assert messages == [] and got is not None and sw.check_payload(name, got)
 
 
+@pytest.mark.slow
 def test_threads_share_a_store(store):
     problems = []
     start = threading.Barrier(8)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~10-30 s each
 @pytest.mark.parametrize("code", [
     "from fused_attn.integrations import transformers as m",
     "import fused_attn.integrations as pkg; m = pkg.transformers",

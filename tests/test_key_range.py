@@ -36,6 +36,7 @@ def test_trim_returns_views_or_the_same_tensors():
     assert trim_unattended_keys("bshd", Band(None, None, False), q, k, v) == (k, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw, sq, skv", [
     (dict(attn_mask_type="causal"), 5, 9),
     (dict(attn_mask_type="causal_bottom_right", window_size=(2, 0)), 4, 11),

@@ -131,6 +131,7 @@ def test_identity_guard():
     assert m.pop(key) == "value"
 
 
+@pytest.mark.slow
 def test_identity_entries_pin_objects_until_evicted():
     m = BoundedMemo(1, "t")
     a = Obj()
@@ -238,6 +239,7 @@ def test_factory_called_once_per_key_under_contention():
     assert info.hits + info.misses == 16 * 64 and info.misses >= 64 and info.size == 64
 
 
+@pytest.mark.slow
 def test_thread_hammer():
     """16 threads x 20,000 mixed operations on 64 keys, maxsize 16."""
     n_threads, n_ops, maxsize = 16, 20_000, 16

@@ -101,6 +101,7 @@ def test_extra_repr():
         assert part in text
 
 
+@pytest.mark.slow
 def test_score_mod_values_changed_before_backward_raise():
     """attn.score_mod = softcap(50.) between a forward with softcap(3.) and its backward would give
     the gradient of another function: the backward raises; re-setting equal values is fine."""

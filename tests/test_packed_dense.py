@@ -27,6 +27,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=range(len(CASES)))
 def test_padded_dense_batch_equals_the_packed_reference(case, gen):
     h, hkv, d, gap = 4, 2, 16, case.get("gap", 0)
@@ -59,6 +60,7 @@ def test_padded_dense_batch_equals_the_packed_reference(case, gen):
         assert between.any() and (out[between] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [None, (6, 6)])
 def test_dense_padded_batch_through_its_packed_form_equals_the_reference(window, gen):
     """attn_mask_type="padding" (no causal mask, a two-sided window or none) with a score_mod:

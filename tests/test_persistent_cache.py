@@ -83,6 +83,7 @@ def restart() -> None:
     GRAPH_CACHE.clear()
 
 
+@pytest.mark.slow
 def test_second_process_loads_instead_of_building(frontend):
     built, loaded, directory = frontend
     first = get(key())
@@ -99,6 +100,7 @@ def test_second_process_loads_instead_of_building(frontend):
     assert GRAPH_CACHE.info().hits == 1  # in memory after the load
 
 
+@pytest.mark.slow
 def test_other_keys_are_built_and_stored_separately(frontend):
     built, loaded, directory = frontend
     get(key(seq=128))
@@ -108,6 +110,7 @@ def test_other_keys_are_built_and_stored_separately(frontend):
     assert get(key(seq=256)).graph.blob == repr((1, 2, 256, 64)).encode()
 
 
+@pytest.mark.slow
 def test_ranks_on_other_devices_share_the_stored_graph(frontend):
     built, loaded, directory = frontend
     get(key(device_index=0))
@@ -117,6 +120,7 @@ def test_ranks_on_other_devices_share_the_stored_graph(frontend):
     assert persist.stored_key(key(device_index=3)) == key(device_index=0)
 
 
+@pytest.mark.slow
 def test_corrupt_file_warns_and_is_rebuilt_and_rewritten(frontend):
     built, loaded, directory = frontend
     get(key())
@@ -131,6 +135,7 @@ def test_corrupt_file_warns_and_is_rebuilt_and_rewritten(frontend):
     assert len(built) == 2 and len(loaded) == 1  # the rebuild overwrote the bad file
 
 
+@pytest.mark.slow
 def test_other_environment_is_skipped_and_rebuilt(frontend, monkeypatch):
     built, loaded, directory = frontend
     get(key())
@@ -141,6 +146,7 @@ def test_other_environment_is_skipped_and_rebuilt(frontend, monkeypatch):
     assert len(built) == 2 and not loaded
 
 
+@pytest.mark.slow
 def test_a_payload_the_frontend_rejects_is_rebuilt(frontend, monkeypatch):
     built, loaded, directory = frontend
     get(key())
@@ -155,6 +161,7 @@ def test_a_payload_the_frontend_rejects_is_rebuilt(frontend, monkeypatch):
     assert len(built) == 2 and graph.graph.blob == repr((1, 2, 128, 64)).encode()
 
 
+@pytest.mark.slow
 def test_unstorable_key_is_built_and_not_stored(frontend, monkeypatch):
     built, loaded, directory = frontend
     monkeypatch.setattr(persist, "_unstorable_warned", type(persist._unstorable_warned)())
@@ -195,6 +202,7 @@ def test_set_persistent_dir_arguments(tmp_path):
     assert fused_attn.graph_cache.persistent_info() is None
 
 
+@pytest.mark.slow
 def test_keys_differ_per_field_in_the_stored_text(frontend):
     """Every structural field reaches the file name: two keys differing in one field never share a file."""
     base = key()

@@ -54,6 +54,7 @@ def test_eager_values_are_the_mod_at_global_positions(name, block):
     assert torch.equal(shifted.eager(s, b, h, qi, ki, *local), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MODS))
 def test_reference_attention_and_gradients_at_global_positions(name):
     """Attention of one block with the shifted mod (reference backend, float64) equals the float64

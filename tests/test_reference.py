@@ -208,6 +208,7 @@ def test_fully_masked_rows_no_nan(gen):
     assert torch.all(q.grad[:, :, :3] == 0)
 
 
+@pytest.mark.slow
 def test_query_blocks_match_single_block(gen, monkeypatch):
     q, k, v = _dense(gen, 2, 4, 2, 33, 20, 8, 8)
     kw = dict(qkv_format="bhsd", attn_mask_type="causal_bottom_right", window_size=(4, 0), score_mod=IndexMod(),
@@ -246,6 +247,7 @@ GRAD_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", GRAD_CASES, ids=lambda c: "-".join(f"{k}" for k in c))
 def test_gradcheck_dense(gen, case):
     case = dict(case)
@@ -257,6 +259,7 @@ def test_gradcheck_dense(gen, case):
     assert torch.autograd.gradcheck(fn, (q, k, v))
 
 
+@pytest.mark.slow
 def test_gradcheck_thd_with_score_mod(gen):
     lq, lkv = [2, 0, 3], [3, 1, 2]
     q = rand(gen, 5, 2, 4, dtype=torch.float64, requires_grad=True)
@@ -304,6 +307,7 @@ def test_reference_refuses_mod_without_eager(gen):
         fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", score_mod=NoRef(), backend="reference")
 
 
+@pytest.mark.slow
 def test_attention_backward_with_grad_mode_off_equals_autograd(gen):
     """attention_backward is called inside autograd backward passes (grad mode off): it must
     still differentiate, not return zeros."""

@@ -23,6 +23,7 @@ def _mods():
     }
 
 
+@pytest.mark.slow  # flex_attention on CPU
 @pytest.mark.parametrize("name", list(_mods()))
 def test_to_flex_matches_flex_attention(name):
     mod = _mods()[name]
@@ -46,6 +47,7 @@ def _qkv(b, h, s, d, seed):
     return [torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for _ in range(3)]
 
 
+@pytest.mark.slow  # flex_attention on CPU
 @pytest.mark.parametrize("name", list(zoo()))
 def test_zoo_to_flex_matches_flex_attention(name):
     """Reference backend (our eager on full score blocks) == flex_attention running to_flex()

@@ -591,6 +591,7 @@ def ours(q, k, v, port):
 # =============================================================================== tests
 
 
+@pytest.mark.slow  # flex_attention on CPU: 2-24 s a case
 @pytest.mark.parametrize("c", params(CASES.values()))
 def test_forward_matches_flex_oracle(c: Case):
     """reference backend == flex(port.to_flex) == flex(oracle score_mod, oracle block mask), float64;
@@ -653,6 +654,7 @@ def test_gradients_match_float64_autograd(c: Case):
         assert_close(a, e, DEFAULT_FLOOR[F64] * max(1.0, float(e.abs().max())), name)
 
 
+@pytest.mark.slow  # flex_attention on CPU: 2-24 s a case
 def test_to_flex_with_a_constant_index_after_a_shape_change():
     torch._dynamo.reset()
     first = CASES["alibi_h1_1"]
@@ -890,6 +892,7 @@ def test_natten_layouts_give_the_same_attention(canvas_w, canvas_h, kernel_w, ke
 # ------------------------------------------------------------------------------- training and equivalents
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bidirectional", [True, False])
 def test_t5_relative_position_bias_trains(bidirectional):
     """A few SGD steps on a toy loss move the learned table (exactly the buckets these lengths
@@ -930,6 +933,7 @@ def test_activation_recovers_activation_attention(kind):
     assert_close(recovered, expected, 1e-5 * max(1.0, float(expected.abs().max())), "f(S) V (lse is fp32)")
 
 
+@pytest.mark.slow
 def test_mla_rope_score_mod_is_a_concatenation():
     """attention-gym's MLA RoPE score mod (score + scale * <q_rope[b, h, i], k_rope[b, 0, j]>) is out
     of scope as a score_mod; concatenating the rope features onto q and k is the same attention."""

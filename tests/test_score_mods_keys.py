@@ -96,6 +96,7 @@ def test_code_digest_covers_constants_defaults_closures_and_helpers():
     assert digest(n1.f) != digest(n2.f)                         # constants of nested code objects
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_code_digest_is_stable_across_processes(tmp_path):
     (tmp_path / "cb_mod.py").write_text("def fprop(graph, score, tensors):\n    return graph.mul(score, tensors['s'])\n")
     code = "import sys; sys.path.insert(0, sys.argv[1]); import cb_mod; from score_mods.keys import code_digest; print(code_digest(cb_mod.fprop))"
@@ -187,6 +188,7 @@ class Plain:
         return score
 
 
+@pytest.mark.slow
 def test_bound_methods_are_keyed_to_the_live_object_and_released():
     released = []
     sm.add_release_listener(released.append)

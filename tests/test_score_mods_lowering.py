@@ -259,6 +259,7 @@ def test_operands_are_cached_cpu_scalars():
     assert sm.alibi(sm.alibi_slopes(4)).cudnn_operands()["slopes@h"].shape == (1, 4, 1, 1)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_lowering_never_imports_cudnn_at_import_time():
     import subprocess
     import sys

@@ -91,6 +91,7 @@ def test_dropout_zero_is_exact(gen):
     assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_dropout_statistics(gen):
     """E[out] equals the no-dropout output; the kept fraction of weights is 1 - p."""
     q, k, v = qkv(gen, b=1, s=16, h=2, hkv=2, d=8)
@@ -108,6 +109,7 @@ def test_dropout_statistics(gen):
     assert abs(kept - (1 - p)) < 0.06
 
 
+@pytest.mark.slow
 def test_dropout_backward_uses_the_forward_mask(gen):
     """With the RNG seeded per evaluation the function is deterministic: gradcheck verifies that
     the backward differentiates exactly the forward's dropped attention."""

@@ -191,12 +191,14 @@ def compare(family: str, kind: str, **overrides) -> None:
 
 # ----------------------------------------------------------------------------- model comparisons
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_logits_and_grads_match_eager(family, kind):
     compare(family, kind)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["packed", "packed_rows"])
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2"])
 def test_packed_position_ids_isolate_documents(family, kind):
@@ -209,6 +211,7 @@ def test_packed_position_ids_isolate_documents(family, kind):
     assert_model_close(run(m64, FA, batch), exact, None, torch.float64, batch["valid"], f"{family}/{kind}")
 
 
+@pytest.mark.slow
 def test_gpt_oss_packing_needs_cu_seq_lens():
     """gpt-oss (transformers 5.17) does not give position_ids to its mask functions, so its eager
     and fused_attn treat a position_ids-packed row as one sequence (as its eager does); the
@@ -223,6 +226,7 @@ def test_gpt_oss_packing_needs_cu_seq_lens():
     assert max_error(run(m64, FA, with_kwargs)[0], per_doc) <= 1e-9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, disable, what", [
     ("gemma2", lambda attn: setattr(attn, "attn_logit_softcapping", None), "softcap"),
     ("gemma2", lambda attn: setattr(attn, "sliding_window", None), "sliding window"),
@@ -244,6 +248,7 @@ def test_comparisons_are_sensitive_to_the_feature(family, disable, what):
     assert max_error(changed[valid], exact[valid]) > 1e-3 * max(1.0, float(exact.abs().max())), what
 
 
+@pytest.mark.slow
 def test_generation_with_left_padding_and_cache_matches_eager():
     """Greedy decoding with a KV cache (bottom-right causal, padding, sliding-window caches)."""
     for family in ("llama", "gemma2", "gpt_oss"):
@@ -262,6 +267,7 @@ def test_generation_with_left_padding_and_cache_matches_eager():
             assert max_error(b, a) <= 1e-9 * max(1.0, float(a.abs().max())), (family, step)
 
 
+@pytest.mark.slow
 def test_from_config_one_line_switch():
     cfg = model_config("llama", "tiny")
     torch.manual_seed(0)
@@ -271,6 +277,7 @@ def test_from_config_one_line_switch():
     assert out.shape == (1, 9, 128) and torch.isfinite(out).all()
 
 
+@pytest.mark.slow
 def test_training_mode_without_dropout_equals_eval():
     m64, _ = models("llama")
     batch = make_batch("right_pad")
@@ -279,6 +286,7 @@ def test_training_mode_without_dropout_equals_eval():
     assert torch.equal(a, b) and all(torch.equal(ga[n], gb[n]) for n in ga)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dense", "left_pad"])
 def test_torch_compile(kind):
     """torch.compile(model) (graph breaks at mask creation and the mask's host conversion; the
@@ -352,6 +360,7 @@ def test_softcap_and_window_compose_as_eager():
     assert torch.equal(out, again)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("padded", [False, True])
 def test_sinks_semantics_against_float64_reference(padded):
     """s_aux: one extra logit per head with no value, trained (gradient), on dense and thd paths."""
@@ -454,10 +463,20 @@ def test_reducible_4d_masks_are_served():
 
 # ----------------------------------------------------------------------------- the mask function
 
+def _cache_kwarg() -> str:
+    """The mask functions' cache argument: `cache` in newer transformers (`past_key_values` there
+    is a deprecated alias that warns), `past_key_values` in older ones."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+
 def _mask_kwargs(**over):
     cfg = model_config("llama", "tiny")
     cfg._attn_implementation = FA
-    kw = dict(config=cfg, inputs_embeds=torch.zeros(2, 10, 64), attention_mask=None, past_key_values=None)
+    kw = dict(config=cfg, inputs_embeds=torch.zeros(2, 10, 64), attention_mask=None, **{_cache_kwarg(): None})
     kw.update(over)
     return kw
 
@@ -650,6 +669,7 @@ def test_dropout_zero_is_exact():
     assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_dropout_statistics_and_forward_backward_consistency():
     """p > 0: with V = I the output rows are the dropped, rescaled weights: the kept fraction is
     1 - p, their mean over seeds is the p = 0 output, and the backward uses the forward's mask
@@ -682,6 +702,7 @@ def test_dropout_statistics_and_forward_backward_consistency():
     assert max_error(dv, want) <= 1e-12
 
 
+@pytest.mark.slow
 def test_model_dropout_in_training():
     m64, _ = models("llama", attention_dropout=0.2)
     batch = make_batch("dense")
@@ -694,6 +715,7 @@ def test_model_dropout_in_training():
 
 # ----------------------------------------------------------------------------- the benchmark harness
 
+@pytest.mark.slow
 def test_models_bench_cpu_smoke():
     from fused_attn.bench import models as bench
 

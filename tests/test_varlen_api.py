@@ -139,6 +139,7 @@ def test_gqa_scale_and_value_dim():
     close(out, ref, tol)
 
 
+@pytest.mark.slow
 def test_score_mod_softcap():
     q, k, v, cu_q, cu_k = make([5, 12], [5, 12])
     q = q * 4  # large scores so the cap matters
@@ -151,6 +152,7 @@ def test_score_mod_softcap():
     assert (plain - ref).abs().max() > 10 * tol  # the modifier changes the answer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 0)])
 def test_grads_match_naive_autograd(window):
     lens_q = [0, 5, 1, 9]
@@ -168,6 +170,7 @@ def test_grads_match_naive_autograd(window):
         assert_close(got, r64, bound_from(r32, r64, torch.float32), f"d{name}")
 
 
+@pytest.mark.slow
 def test_bf16_matches_naive():
     q, k, v, cu_q, cu_k = make([7, 16], [7, 16], dtype=torch.bfloat16)
     out = varlen_attn(q, k, v, cu_q, cu_k, 16, 16, window_size=(-1, 0))

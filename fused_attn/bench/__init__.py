@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..progress import progress
 from .common import DEFAULT_OUT, environment, print_table, write_results
 from .runner import SuiteResult
 
@@ -97,9 +98,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"--families: unknown model family {bad or args.families!r}; choose from {', '.join(FAMILIES)}")
             return 2
     if not torch.cuda.is_available():
-        print("fused_attn benchmarks need a CUDA GPU; none is available.")
         if not args.cpu_smoke:
-            return 0
+            print("fused_attn benchmarks need a CUDA GPU, and torch sees none. To exercise the harness on CPU at "
+                  "tiny shapes (timings meaningless): python -m fused_attn bench --cpu-smoke", file=sys.stderr)
+            return 2
+        print("fused_attn benchmarks need a CUDA GPU; none is available: running --cpu-smoke.")
         result = cpu_smoke(args.out)
         for f in result.failures:
             print("FAILED:", f)
@@ -109,7 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("fused_attn benchmarks: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     failures: List[str] = []
     results: Dict[str, SuiteResult] = {}
-    for name in SUITES if args.suite == "all" else (args.suite,):
+    for name in progress(SUITES if args.suite == "all" else (args.suite,), desc="bench suites"):
         try:
             if name == "models" and families is not None:
                 from .models import run as run_models

@@ -449,8 +449,8 @@ def run(quick: bool, device: torch.device, families: Sequence[str] = BENCH_FAMIL
     try:
         import transformers  # noqa: F401
     except ImportError:
-        result.notes.append("transformers is not installed: pip install 'fused-attn[hf]'")
-        print("models suite: transformers is not installed (pip install 'fused-attn[hf]'); skipped")
+        result.notes.append("transformers is not installed: pip install -e '.[hf]' from the checkout")
+        print("models suite: transformers is not installed (pip install -e '.[hf]' from the checkout); skipped")
         return result
     for family in families:
         print(f"models: {family} ...", flush=True)

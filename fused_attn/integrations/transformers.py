@@ -65,7 +65,7 @@ __all__ = ["NAME", "register", "unregister", "make_attention_forward", "attentio
 
 #: The attn_implementation name `register()` uses by default.
 NAME = "fused_attn"
-_INSTALL = "pip install 'fused-attn[hf]' (transformers>=5.17,<6)"
+_INSTALL = "pip install -e '.[hf]' from the fused_attn checkout (transformers>=5.17,<6)"
 
 
 # ----------------------------------------------------------------------------- registration

@@ -23,7 +23,9 @@ def _probe() -> tuple:
     try:
         import cudnn
     except Exception as exc:  # noqa: BLE001 - any import failure means "not installed"
-        return (f"the cuDNN frontend (nvidia-cudnn-frontend {SUPPORTED_FRONTEND}.x) is not importable: {exc}", 0)
+        return (f"the cuDNN frontend (nvidia-cudnn-frontend {SUPPORTED_FRONTEND}.x) is not importable: {exc}; "
+                "install the cuda extra from the checkout: pip install -c 3rdparty/requirements-cudnn.txt "
+                "-e '.[cuda]'", 0)
     frontend = str(getattr(cudnn, "__version__", "unknown"))
     if frontend.split(".")[:2] != SUPPORTED_FRONTEND.split("."):
         return (f"nvidia-cudnn-frontend {frontend} is installed; fused_attn supports {SUPPORTED_FRONTEND}.x", 0)
