@@ -17,7 +17,7 @@ from .functional import _is_dtensor, _resolve_call, run_call, run_spec
 from .layouts import dims
 from .plan import NO_VARLEN, Varlen
 from .problem import BACKENDS, MASK_TYPES, QKV_FORMATS
-from .ops import _pinned_int, attention_by_key, op_keys_for, traced_backend
+from .ops import attention_by_key, op_keys_for, static_int, traced_backend
 from .spec import SOFTMAX_TYPES, check_dropout, resolve_spec
 
 __all__ = ["DotProductAttention"]
@@ -227,8 +227,8 @@ class DotProductAttention(nn.Module):
             keys = self._op_keys[1 if self.training else 0]
             backend = spec.backend
             if backend == "auto":
-                backend = traced_backend(query.device.type, query.dtype, _pinned_int(query.shape[-1]),
-                                         _pinned_int(value.shape[-1]))
+                backend = traced_backend(query.device.type, query.dtype, static_int(query.shape[-1]),
+                                         static_int(value.shape[-1]))
             out, lse = attention_by_key(keys[backend], mod, query, key, value, varlen, self.sinks)
             return out if lse is None else (out, lse)
         return run_spec(spec, mod, query, key, value, varlen, self.sinks)

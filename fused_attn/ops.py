@@ -29,7 +29,8 @@ import torch
 from .plan import Varlen, get_plan
 from .spec import AttentionSpec
 
-__all__ = ["attention_by_key", "compiled_key", "op_keys_for", "register_spec", "lookup_spec", "spec_key", "traced_backend"]
+__all__ = ["attention_by_key", "compiled_key", "op_keys_for", "register_spec", "lookup_spec", "spec_key", "static_int",
+           "static_value", "traced_backend"]
 
 _REGISTRY: "OrderedDict[str, AttentionSpec]" = OrderedDict()
 _REGISTRY_MAX = 4096
@@ -318,7 +319,7 @@ def call_key(resolver: Any, args: tuple, score_mod: Any, query: torch.Tensor, va
     structure = getattr(score_mod, "compile_structure", None)
     mod_arg, facts = (score_mod, None) if structure is None else structure()
     return compiled_key(resolver, static_value(args), mod_arg, facts, query.device.type, query.dtype,
-                        _pinned_int(query.shape[-1]), _pinned_int(value.shape[-1]))
+                        static_int(query.shape[-1]), static_int(value.shape[-1]))
 
 
 def static_value(x: Any) -> Any:
@@ -333,14 +334,15 @@ def static_value(x: Any) -> Any:
     if isinstance(x, float):
         return x.__float__()  # a symbolic float specializes to its value here
     if isinstance(x, int):
-        return _pinned_int(x)
+        return static_int(x)
     if isinstance(x, tuple):
         return tuple(static_value(y) for y in x)
     return x
 
 
-def _pinned_int(n: Any, bits: int = 31) -> int:
-    """An int, or a symbolic int found by bisection over [-2**bits, 2**bits] (bits + 1 guards)."""
+def static_int(n: Any, bits: int = 31) -> int:
+    """`n` as a Python int: itself in eager code; under torch.compile (where it may be symbolic)
+    found by bisection over [-2**bits, 2**bits], each comparison one guard (see `static_value`)."""
     if type(n) is int and not torch.compiler.is_compiling():
         return n
     lo, hi = -(1 << bits), 1 << bits
