@@ -50,3 +50,35 @@ def test_issue_reproducer():
         bad = run(case, (q, k, v, g), "cpu", "reference")
         for a, b in zip(bad, run(case, clean, "cpu", "reference")):
             assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(dtypes=(torch.float32,), head_dims=(8,)))
+def test_padded_as_thd_plumbing_keeps_padding_out(case):
+    """cuDNN's padded path (`backends/cudnn/padded.py`: a dense padded batch run as packed thd with
+    gaps) over the reference's packed runner, on CPU: its views, offsets and grad_out packing let
+    no poisoned padding through (the GPU test runs it over cuDNN's ragged graphs)."""
+    from hypothesis import assume
+
+    from _padding_cases import _cu, _to_format
+    from fused_attn.backends import reference
+    from fused_attn.backends.cudnn.padded import PaddedAsThdRunner
+    from fused_attn.layouts import to_logical
+    from fused_attn.plan import Varlen, _static_problem
+    from fused_attn.spec import resolve_spec
+
+    assume(case.fmt != "thd")
+
+    def go(tensors):
+        q, k, v, g = (_to_format(t, case.fmt).float() for t in tensors)
+        spec, mod = resolve_spec(qkv_format=case.fmt, attn_mask_type=case.mask, backend="reference")
+        varlen = Varlen(_cu(case.lens_q, "cpu"), _cu(case.lens_kv, "cpu"))
+        runner = PaddedAsThdRunner(_static_problem(spec, mod, q, k, v, varlen, None, True), 0,
+                                   make_packed=reference.make_runner)
+        out, _lse, saved, state = runner.forward(q, k, v, varlen, mod, None)
+        return [to_logical(t, case.fmt) for t in (out,) + tuple(runner.backward(state, saved, g)[:3])]
+
+    clean = logical_inputs(case)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), go(poisoned(case, clean)), go(clean)):
+        assert torch.isfinite(a).all(), f"{name}: non-finite values with poisoned padding ({case})"
+        assert torch.equal(a, b), f"{name}: differs from the clean run ({case})"
