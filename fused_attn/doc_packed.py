@@ -145,7 +145,10 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
 
 def _is_fake(t: torch.Tensor) -> bool:
     """Whether `t` has no values to read: a fake tensor (tracing), a meta tensor, or any tensor
-    under an active FakeTensorMode (`abstract.is_abstract`)."""
+    under an active FakeTensorMode (`abstract.is_abstract`); never while torch.compile traces
+    (its tensors stand for real ones)."""
+    if torch.compiler.is_compiling():
+        return False
     from .abstract import is_abstract
 
     return is_abstract(t)

@@ -162,7 +162,7 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
              sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed).
     Fake and meta tensors go through the custom ops' fake implementations (`abstract`)."""
-    if abstract.is_abstract(query, key, value):
+    if abstract.is_abstract(query):
         return abstract.attention(spec, mod, query, key, value, varlen, sinks)
     varlen = _complete(spec, varlen)
     if spec.may_cut_band and varlen is NO_VARLEN and getattr(query, "is_cuda", False):
