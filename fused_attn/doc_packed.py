@@ -73,6 +73,8 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
     if cu_seq.device != device and cu_seq.device.type != "cpu":
         raise ValueError(f"cu_seq must be on the query's device {device} or on the CPU, got {cu_seq.device}")
     limit = seq_len if max_doc_len is None else max_doc_len
+    if _is_fake(cu_seq):
+        return None  # fake / meta (tracing): no values to check or read
     read_here = (cu_seq.device.type == "cpu" or read_device_table) and not _is_fake(cu_seq)
     if torch.compiler.is_compiling() or not read_here:
         # No host read on the hot path: a bad table stops the program at the next synchronization
@@ -120,6 +122,8 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
     share it), except while a CUDA graph is captured: the graph is then sized for S."""
     if torch.compiler.is_compiling() or not isinstance(cu_seq, torch.Tensor) or _is_fake(cu_seq):
         check_doc_boundaries(cu_seq, batch, seq_len, device, max_doc_len)
+        if _is_fake(cu_seq):  # offsets of the right shape: no values exist to derive them from
+            return cu_seq.new_empty((cu_seq.shape[0] * (cu_seq.shape[1] - 1) + 1,), device=device), None
         return doc_cu_seqlens(cu_seq, seq_len).to(device), None
     # before the memo: a CPU table's entry is not a CUDA tensor's, so capture does not make it miss
     if device.type == "cuda" and cu_seq.device.type == "cpu" and torch.cuda.is_current_stream_capturing():
@@ -141,13 +145,14 @@ def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.devi
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    """Whether `t` is a fake tensor (tracing); a plain torch.Tensor never is (the common case,
-    decided without the ~10 us of torch's general check)."""
-    if type(t) is torch.Tensor:
+    """Whether `t` has no values to read: a fake tensor (tracing), a meta tensor, or any tensor
+    under an active FakeTensorMode (`abstract.is_abstract`); never while torch.compile traces
+    (its tensors stand for real ones)."""
+    if torch.compiler.is_compiling():
         return False
-    from torch._subclasses.fake_tensor import is_fake
+    from .tensor_kind import is_abstract
 
-    return is_fake(t)
+    return is_abstract(t)
 
 
 def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
-from . import engines, extensions
+from . import abstract, engines, extensions
 from . import validation as V
 from .autograd import attention
 from .key_range import trim_unattended_keys
@@ -150,6 +150,8 @@ def _compiled_varlen(varlen: Varlen) -> Varlen:
 def _complete(spec: AttentionSpec, varlen: Varlen) -> Varlen:
     """thd without max_seqlen: derive it from cu_seqlens (the documented host read)."""
     if spec.is_packed and (varlen.max_seqlen_q is None or varlen.max_seqlen_kv is None):
+        if abstract.is_abstract(varlen.cu_seqlens_q, varlen.cu_seqlens_kv):
+            return varlen  # nothing to read: the abstract path bounds them by the token counts
         mq, mk = V.derive_max_seqlens(varlen)
         return varlen._replace(max_seqlen_q=mq, max_seqlen_kv=mk)
     return varlen
@@ -157,7 +159,10 @@ def _complete(spec: AttentionSpec, varlen: Varlen) -> Varlen:
 
 def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, varlen: Varlen,
              sinks: Optional[torch.Tensor] = None) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-    """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed)."""
+    """Run a resolved spec on tensors: the body of every entry point (module, varlen, doc_packed).
+    Fake and meta tensors go through the custom ops' fake implementations (`abstract`)."""
+    if abstract.is_abstract(query):
+        return abstract.attention(spec, mod, query, key, value, varlen, sinks)
     varlen = _complete(spec, varlen)
     if spec.may_cut_band and varlen is NO_VARLEN and getattr(query, "is_cuda", False):
         # the engine's own way to serve the call (cuDNN: rectangles of the band), or the plain plan:
@@ -229,6 +234,8 @@ def attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     format, lse fp32 (B, H, Sq) or (H, Tq) for thd. Pair it with `attention_backward`.
     """
     spec, mod, varlen, sinks = _split_call_kwargs(kwargs)
+    if abstract.is_abstract(query, key, value):
+        return abstract.forward_with_lse(spec, mod, query, key, value, varlen, sinks)
     with torch.no_grad():
         plan = get_plan(spec, mod, query, key, value, varlen, sinks)
         check_values(plan, query, key, varlen)
@@ -245,6 +252,8 @@ def attention_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     exp(score - lse), and D = rowsum(grad_out * out) uses the given output.
     """
     spec, mod, varlen, sinks = _split_call_kwargs(kwargs)
+    if abstract.is_abstract(query, key, value, grad_out):
+        return abstract.backward_shapes(spec, mod, query, key, value, varlen, sinks)
     if spec.dropout_p:
         raise NotImplementedError("attention_backward with dropout_p > 0: the backward needs the forward's dropout "
                                   "mask, which attention_forward does not return; assemble pieces without dropout")

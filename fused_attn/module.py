@@ -19,7 +19,7 @@ from .layouts import dims
 from .plan import NO_VARLEN, Varlen
 from .engine_table import names as backend_names
 from .problem import MASK_TYPES, QKV_FORMATS
-from .ops import attention_by_key, op_keys_for, traced_backend
+from .ops import attention_by_key, op_keys_for, static_int, traced_backend
 from .spec import SOFTMAX_TYPES, check_dropout, resolve_spec
 
 __all__ = ["DotProductAttention"]
@@ -223,7 +223,8 @@ class DotProductAttention(nn.Module):
             keys = self._op_keys[1 if self.training else 0]
             backend = spec.backend
             if backend == "auto":
-                backend = traced_backend(query.device.type, query.dtype, query.shape[-1], value.shape[-1])
+                backend = traced_backend(query.device.type, query.dtype, static_int(query.shape[-1]),
+                                         static_int(value.shape[-1]))
             out, lse = attention_by_key(keys[backend], mod, query, key, value, varlen, self.sinks)
             return out if lse is None else (out, lse)
         return run_spec(spec, mod, query, key, value, varlen, self.sinks)
@@ -234,8 +235,9 @@ class DotProductAttention(nn.Module):
             sig = (query.shape, key.shape, value.shape, fmt)
         except AttributeError:
             return  # not tensors: the functional checks name the argument
-        if sig in self._checked:
-            return
+        compiling = torch.compiler.is_compiling()
+        if not compiling and sig in self._checked:
+            return  # (under torch.compile a shape-keyed memo would guard on every length: check each trace)
         rank = 3 if fmt == "thd" else 4
         if all(t.dim() == rank for t in (query, key, value)):
             want = (("query", query, self.num_attention_heads, self.head_dim_qk, "num_attention_heads"),
@@ -252,6 +254,8 @@ class DotProductAttention(nn.Module):
                     raise ValueError(f"{name} has head dim {d} but the module was built with kv_channels="
                                      f"{(self.head_dim_qk, self.head_dim_v)} (qkv_format={fmt!r}, shape "
                                      f"{tuple(t.shape)})")
+        if compiling:
+            return
         if len(self._checked) > 64:
             self._checked.clear()
         self._checked[sig] = True

@@ -30,7 +30,8 @@ from . import engines
 from .plan import Varlen, get_plan
 from .spec import AttentionSpec
 
-__all__ = ["attention_by_key", "compiled_key", "op_keys_for", "register_spec", "lookup_spec", "spec_key", "traced_backend"]
+__all__ = ["attention_by_key", "compiled_key", "op_keys_for", "register_spec", "lookup_spec", "spec_key", "static_int",
+           "static_value", "traced_backend"]
 
 _REGISTRY: "OrderedDict[str, AttentionSpec]" = OrderedDict()
 _REGISTRY_MAX = 4096
@@ -138,7 +139,8 @@ def attn_fwd(query: _T, key: _T, value: _T, cu_seqlens_q: _OT, cu_seqlens_kv: _O
     check_values(plan, query, key, varlen)
     out, lse, saved, _state = plan.runner.forward(query, key, value, varlen, mod, sinks, dropout_rng)
     stats = engines.get(plan.backend).op_saved(saved, query)
-    lse = query.new_empty((0,), dtype=torch.float32) if lse is None else lse.clone()
+    # as the fake implementation: an empty lse unless the spec returns it (runners may compute one anyway)
+    lse = lse.clone() if spec.return_lse and lse is not None else query.new_empty((0,), dtype=torch.float32)
     if out.untyped_storage().data_ptr() == stats.untyped_storage().data_ptr():  # pragma: no cover - cloned above
         out = out.clone()
     return out, lse, stats
@@ -300,8 +302,41 @@ def call_key(resolver: Any, args: tuple, score_mod: Any, query: torch.Tensor, va
     Python object); anything else as itself."""
     structure = getattr(score_mod, "compile_structure", None)
     mod_arg, facts = (score_mod, None) if structure is None else structure()
-    return compiled_key(resolver, args, mod_arg, facts, query.device.type, query.dtype, query.shape[-1],
-                        value.shape[-1])
+    return compiled_key(resolver, static_value(args), mod_arg, facts, query.device.type, query.dtype,
+                        static_int(query.shape[-1]), static_int(value.shape[-1]))
+
+
+def static_value(x: Any) -> Any:
+    """`x` with every number a Python constant (recursively through tuples): under
+    torch.compile with dynamic shapes, int and float arguments (defaults included) arrive as
+    symbolic values, which `compiled_key` cannot take. Each is pinned to its value by comparisons
+    that torch.compile turns into guards: configuration values (head dims, windows, scales) are
+    structural constants of the spec, so sequence lengths stay symbolic. Eager values pass as
+    they are."""
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, float):
+        return x.__float__()  # a symbolic float specializes to its value here
+    if isinstance(x, int):
+        return static_int(x)
+    if isinstance(x, tuple):
+        return tuple(static_value(y) for y in x)
+    return x
+
+
+def static_int(n: Any, bits: int = 31) -> int:
+    """`n` as a Python int: itself in eager code; under torch.compile (where it may be symbolic)
+    found by bisection over [-2**bits, 2**bits], each comparison one guard (see `static_value`)."""
+    if type(n) is int and not torch.compiler.is_compiling():
+        return n
+    lo, hi = -(1 << bits), 1 << bits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if n <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @torch.compiler.assume_constant_result

@@ -231,7 +231,11 @@ def _static_problem(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varle
 
 
 def _aligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """16-byte aligned data pointers (fake tensors, which have none, count as aligned)."""
+    """16-byte aligned data pointers (fake and meta tensors, which have none, count as aligned)."""
+    from .tensor_kind import is_abstract
+
+    if is_abstract(q, k, v):
+        return True
     try:
         return ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15) == 0
     except RuntimeError:

@@ -331,14 +331,16 @@ class TracedMod(ScoreMod):
 
     def take_values(self, other: "TracedMod") -> bool:
         """Adopt `other`'s scalar values in place if it has the same structure and the same tensor
-        parameters (return True); the scalar tensor is updated, not replaced. Otherwise False.
+        parameters (return True); the scalar tensor is replaced by a new one (same shape and dtype:
+        torch.compile does not recompile), so a compiled forward that saved the old one for its
+        backward still differentiates the function it computed. Otherwise False.
         The native band (a pure library mask served by the backend's own band) follows `other`."""
         if other.cache_key != self.cache_key or any(self.tensors()[n] is not t for n, t in other.tensors().items()):
             return False
         self._values = dict(other._values)
         self._operands = None
         self.__dict__.pop("_op_memo", None)
-        self.scalar_tensor().copy_(other.scalar_tensor())
+        self._scalar_tensor = other.scalar_tensor().clone()
         band = getattr(other, "native_band", None)
         if band is not None:
             self.native_band = band

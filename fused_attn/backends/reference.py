@@ -276,6 +276,10 @@ def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionP
             lse = problem.sinks.detach().float().view(1, heads, 1).expand(batch, heads, sq).clone()
         return out, lse
     group = heads // hkv
+    if lengths:  # padded rows never matter: masked with where (0 * NaN would stay NaN), forward and backward
+        q = torch.where(torch.arange(sq, device=dev).view(1, 1, sq, 1) < q_len, q, 0.0)
+        kv_ok = torch.arange(skv, device=dev).view(1, 1, skv, 1) < kv_len
+        k, v = torch.where(kv_ok, k, 0.0), torch.where(kv_ok, v, 0.0)
     kf, vf = k.to(acc), v.to(acc)
     finite = torch.isfinite(vf)
     v_finite = torch.where(finite, vf, torch.zeros_like(vf))
@@ -312,6 +316,8 @@ def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionP
             # says; rows that do not attend it (masked, past a length) stay untouched.
             hits = torch.matmul((pg.detach() > 0).to(acc), v_bad).view(batch, heads, n, dv)
             o = torch.where(hits > 0, torch.full_like(o, math.nan), o)
+        if lengths:  # rows past a length: 0, and no gradient from their grad_out (NaN there included)
+            o = torch.where(q_idx < q_len, o, 0.0)
         outs.append(o)
         lses.append(lse)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

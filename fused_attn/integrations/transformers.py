@@ -57,6 +57,7 @@ from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..tensor_kind import is_abstract
 from ..functional import dot_product_attention
 from ..memo import BoundedMemo
 
@@ -288,6 +289,10 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, slid
         common.update(softmax_type="learnable", sinks=s_aux)
     call = _Call(query, key, value, causal, sliding_window, common)
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if is_abstract(query, key, value, attention_mask, cu_q, cu_k):
+        # fake / meta tensors (tracing): the mask's values are unknown and never read; the output
+        # has the metadata of the dense call of the same shapes, which is traced instead
+        return call.dense(key, value)
     if cu_q is not None or cu_k is not None:
         if attention_mask is not None and attention_mask.dtype != torch.int32:
             raise _refused("both a padding attention_mask and cu_seq_lens_q/k were given; pass one of them")

@@ -143,7 +143,32 @@ def execute(compiled: CompiledGraph, bind: Dict[str, Any], device_index: int) ->
     if fast is not None:
         lowered, order, index = fast
         arr = _pointer_array(len(order))
-        arr[:] = [bind[s].data_ptr() for s in order]
+        ptrs = [bind[s].data_ptr() for s in order]
+        if 0 in ptrs:  # fake / meta tensors report null: never hand cuDNN a bogus pointer
+            check_storage(bind, order)
+        arr[:] = ptrs
         lowered._execute_with_raw_ptrs(ctypes.addressof(arr), len(order), ws.data_ptr(), state[1], index)
         return
+    check_storage(bind, compiled.slots)
     compiled.graph.execute([bind[s] for s in compiled.slots], ws, handle=state[0], tensor_uids=compiled.uids)
+
+
+def check_storage(bind: Dict[str, Any], slots: Any) -> None:
+    """Raise RuntimeError if a slot is bound to a tensor without real storage (a fake or meta
+    tensor, or a non-empty tensor whose data pointer is null): cuDNN would read or write there."""
+    from ...tensor_kind import is_abstract
+
+    for slot in slots:
+        t = bind[slot]
+        if not isinstance(t, torch.Tensor):
+            continue
+        bad = "meta" if t.is_meta else None
+        if bad is None and type(t) is not torch.Tensor and is_abstract(t):
+            bad = "fake"
+        if bad is None and t.numel() and t.data_ptr() == 0:
+            bad = "storage-less (null data pointer)"
+        if bad is not None:
+            raise RuntimeError(
+                f"cuDNN execute: slot {slot!r} is bound to a {bad} tensor of shape {tuple(t.shape)} on {t.device}; "
+                "fake and meta tensors have no memory for a kernel. Trace with them through fused_attn's entry "
+                "points (which route them to the custom ops' fake implementations), not a call plan's runner")
