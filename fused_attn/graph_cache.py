@@ -14,12 +14,14 @@ The cache is per process; entries of every device share it (the device index is 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 
 from .cache import GRAPH_CACHE, CacheInfo
 from .graph_store import GraphStore, StoreInfo
+from .memo import clear_all
 
 __all__ = ["cache_info", "clear", "set_maxsize", "set_persistent_dir", "persistent_info", "warmup", "CacheInfo",
            "StoreInfo"]
@@ -31,7 +33,13 @@ def cache_info() -> CacheInfo:
 
 
 def clear() -> None:
-    """Release every cached graph and reset the statistics."""
+    """Release every cached graph and everything else the library caches per process (call
+    plans, resolved specs, memos, materialized score_mod operands) and reset the graph
+    statistics: afterwards no cache holds a tensor or a graph."""
+    clear_all()
+    materialization = sys.modules.get("score_mods.materialization")
+    if materialization is not None:
+        materialization.clear_cache()
     GRAPH_CACHE.clear()
 
 

@@ -296,8 +296,8 @@ def _check_max_against(arg: str, value: Optional[int], lengths: List[int], what:
         raise ValueError(f"{arg}={value} is smaller than {what} ({max(lengths)})")
 
 
-#: CUDA cu_seqlens already checked, keyed by ((id, version) of each tensor, ...) and pinned to the tensors. An entry
-#: keeps its tensors alive, so an id is never reused while cached, and an in-place edit bumps
+#: CUDA cu_seqlens already checked, keyed by ((id, version) of each tensor, ...) and holding the tensors weakly. An entry
+#: of a freed tensor misses (its id may be reused), and an in-place edit bumps
 #: the version: a hit means the very same values.
 _CHECKED = BoundedMemo(64, "validation.cu_seqlens")
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
-from .base import ScoreMod
+from .base import ScoreMod, meta_like
 from .keys import add_release_listener, callback_key, check_user_key, remove_release_listener  # noqa: F401
 
 
@@ -44,6 +44,11 @@ def _tensor_dict(arg: str, d: Optional[Dict[str, torch.Tensor]]) -> Dict[str, to
     if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
         raise TypeError(f"{arg} must be a dict of name -> torch.Tensor, got {type(d).__name__}")
     return {k: _operand(k, v) for k, v in d.items()}
+
+
+def _structure(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: torch.zeros((1, 1, 1, 1), dtype=t.dtype) if t.device.type == "cpu" else meta_like(t)
+            for k, t in tensors.items()}
 
 
 class RawCallbackMod(ScoreMod):
@@ -100,6 +105,16 @@ class RawCallbackMod(ScoreMod):
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {**{f"fwd_{k}": v for k, v in self.fwd_tensors.items()}, **{f"bwd_{k}": v for k, v in self.bwd_tensors.items()}}
+
+    def structure_only(self) -> "RawCallbackMod":
+        """See ScoreMod.structure_only: device tensors as meta tensors, CPU scalars as fresh CPU
+        scalars of their dtype (still pass-by-value); the callbacks and the key are kept."""
+        if not self.fwd_tensors and not self.bwd_tensors:
+            return self
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.fwd_tensors, copy.bwd_tensors = _structure(self.fwd_tensors), _structure(self.bwd_tensors)
+        return copy
 
     def cudnn_operands(self, dims=None, *, device=None) -> Dict[str, torch.Tensor]:
         return self.tensors()
@@ -221,6 +236,13 @@ class ChainMod(ScoreMod):
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {k: v for i, p in enumerate(self.parts) for k, v in self._ns(i, p.tensors()).items()}
+
+    def structural_values(self) -> Hashable:
+        return tuple(p.structural_values() for p in self.parts)
+
+    def structure_only(self) -> "ChainMod":
+        parts = tuple(p.structure_only() for p in self.parts)
+        return self if all(a is b for a, b in zip(parts, self.parts)) else ChainMod(self.name, parts)
 
     @property
     def needs_dims(self) -> bool:
