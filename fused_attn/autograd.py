@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-__all__ = ["attention", "PlanAttention", "check_mod_unchanged"]
+__all__ = ["attention", "PlanAttention", "check_mod_unchanged", "tensor_versions"]
 
 
 class PlanAttention(torch.autograd.Function):
@@ -34,7 +34,7 @@ class PlanAttention(torch.autograd.Function):
         ctx.runner, ctx.state, ctx.n_extras = runner, state, len(extras)
         # a module updates its score_mod's values in place (TracedMod.take_values replaces the
         # values dict): the backward checks they are still the forward's
-        ctx.mod, ctx.mod_values = mod, getattr(mod, "_values", None)
+        ctx.mod, ctx.mod_values, ctx.mod_versions = mod, getattr(mod, "_values", None), tensor_versions(mod)
         ctx.save_for_backward(*saved)
         if lse is not None:
             ctx.mark_non_differentiable(lse)
@@ -47,15 +47,31 @@ class PlanAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor, _grad_lse: Optional[torch.Tensor]):
         if grad_out is None:
             return (None,) * (1 + 3 + ctx.n_extras)
-        check_mod_unchanged(ctx.mod, ctx.mod_values)
+        check_mod_unchanged(ctx.mod, ctx.mod_values, ctx.mod_versions)
         grads = ctx.runner.backward(ctx.state, ctx.saved_tensors, grad_out)
         # the call tuple (sinks itself is among the extras), q, k, v, *extras
         return (None,) + tuple(grads)
 
 
-def check_mod_unchanged(mod: Any, forward_values: Any) -> None:
+def tensor_versions(mod: Any) -> tuple:
+    """(name, tensor, version counter) of the score_mod's tensors (raw callbacks' score_mod_tensors
+    and score_mod_bprop_tensors included), for `check_mod_unchanged`."""
+    if mod is None:
+        return ()
+    return tuple((name, t, t._version) for name, t in mod.tensors().items())
+
+
+def check_mod_unchanged(mod: Any, forward_values: Any, forward_versions: tuple = ()) -> None:
     """Raise if the score_mod's values changed since the forward (a module updates them in place:
-    TracedMod.take_values replaces the values dict): the gradient would be another function's."""
+    TracedMod.take_values replaces the values dict) or one of its tensors was updated in place
+    (torch's saved-tensor error): the gradient would be another function's."""
+    for name, t, version in forward_versions:
+        if t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"score_mod {getattr(mod, 'name', '?')!r} tensor {name!r} of shape {tuple(t.shape)} is at version "
+                f"{t._version}; expected version {version} instead. Update score_mod tensors after backward(), or "
+                "pass a new tensor")
     values = getattr(mod, "_values", None)
     if values is not forward_values and values != forward_values:
         raise RuntimeError(

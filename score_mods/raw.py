@@ -12,7 +12,13 @@ by its name and a digest of its code (so a redefinition with other code gets ano
 bound method of a class with `score_mod_graph_cache_key()` (Transformer Engine's protocol) by
 that method's result; any other bound method by a token for its live object (listeners added
 with `add_release_listener(fn)` hear the token when the object is collected); a callback whose
-code cannot be keyed (a closure over a tensor) must give `cache_key=`.
+code cannot be keyed (a closure over a tensor) must give `cache_key=`, and so must one reading a
+module-level object whose contents can change under the same code (`CFG["cap"]`, `OBJ.cap`):
+without a key such a callback is refused with a ValueError (its cached graph would go stale).
+Two module-level lambdas with identical code share a key: harmless, they build the same graph.
+
+Tensors in `bprop_tensors` (and `tensors`) are version-checked between a forward and its
+backward: an in-place update in between raises torch's "modified by an inplace operation" error.
 """
 
 from __future__ import annotations

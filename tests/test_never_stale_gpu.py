@@ -91,3 +91,36 @@ def test_module_biases_release_their_memory():
         attn(q, q, q)
     assert reset() - base < 32 * 2 ** 20
 
+
+def _scale_fprop(graph, score, tensors):
+    return graph.mul(a=score, b=tensors["s"])
+
+
+def _scale_bprop(graph, dscore, tensors):
+    return graph.mul(a=dscore, b=tensors["s"])
+
+
+def test_score_mod_bprop_tensors_are_version_checked_on_cudnn():
+    """Transformer Engine's raw-callback arguments on cuDNN: gradients of score * 0.5 against
+    float64; an in-place update of a score_mod_bprop_tensors tensor before backward raises."""
+    q, k, v, do = bshd(6), bshd(7), bshd(8), bshd(9, grad=False)
+    fwd_s, bwd_s = torch.full((1, 1, 1, 1), 0.5), torch.full((1, 1, 1, 1), 0.5)
+
+    def call():
+        return fused_attn.dot_product_attention(q, k, v, score_mod=_scale_fprop, score_mod_bprop=_scale_bprop,
+                                                score_mod_tensors={"s": fwd_s}, score_mod_bprop_tensors={"s": bwd_s},
+                                                backend="cudnn")
+
+    out = call()
+    ql, kl, vl = (t.detach().transpose(1, 2) for t in (q, k, v))
+    half = lambda s, *_: s * 0.5  # noqa: E731
+    exact, _ = reference_attention(ql, kl, vl, D ** -0.5, score_fn=half)
+    assert_close(out.detach().transpose(1, 2), exact, tolerance(ql, kl, vl, D ** -0.5, DT, score_fn=half), "out")
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want, bounds = grad_tolerances(ql, kl, vl, do.transpose(1, 2), D ** -0.5, DT, score_fn=half)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, bounds):
+        assert_close(g.transpose(1, 2), w, b, name)
+    out = call()
+    bwd_s.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(do)
