@@ -33,7 +33,7 @@ import torch
 from . import validation as V
 from .memo import register_clear
 from .layouts import logical_shape
-from .spec import AttentionSpec
+from .spec import AttentionSpec, frozen_template
 
 __all__ = ["Varlen", "StaticProblem", "CallPlan", "get_plan", "call_signature", "plan_info", "clear_plans", "FallbackWarning",
            "Refusal", "Explanation", "NO_VARLEN"]
@@ -347,9 +347,7 @@ def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Va
         # spec.score_mod: make that this call's mod, without its data (the plan outlives the
         # call; under torch.compile the spec holds the registry's template, whose tensor
         # parameters are stand-ins of another shape).
-        template = mod.structure_only()
-        if spec.score_mod is not template:
-            spec = dataclasses.replace(spec, score_mod=template)
+        spec = dataclasses.replace(spec, score_mod=frozen_template(mod))
     problem = _static_problem(spec, mod, q, k, v, varlen, sinks, force_grad)
     backend, reason, runner = _backends().choose(problem)
     if backend == "reference" and problem.device.type == "cuda" and spec.backend == "auto":

@@ -189,6 +189,18 @@ class _SpecMemo:
 _SAME = object()  # the entry's normalized mod is the given score_mod itself
 
 
+def frozen_template(mod: Any) -> Any:
+    """`mod.structure_only()`, as an object of its own when that is `mod` itself and `mod` may be
+    updated in place (a module's compile-stable mod, `TracedMod.take_values`): what outlives a
+    call (a plan's or a registered spec's template) never changes behind its key."""
+    if mod is None:
+        return None
+    template = mod.structure_only()
+    if template is mod and hasattr(mod, "private_copy"):
+        template = mod.private_copy()
+    return template
+
+
 def stored_mod(mod: Any, given: Any) -> Any:
     """What a memo keyed by the given score_mod's identity stores for its normalized mod: a
     marker when they are one object (the memo then never holds the user's mod)."""
