@@ -45,9 +45,14 @@ def check_window(window_size: Any) -> Optional[Tuple[int, int]]:
     for side, v in zip(("left", "right"), window_size):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"window_size {side} must be an int >= -1 (-1 = unbounded), got {v!r} ({type(v).__name__})")
-        if v < -1:
-            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {v}")
+        if not -1 <= v <= MAX_WINDOW:
+            raise ValueError(f"window_size {side} must be >= -1 and <= {MAX_WINDOW} (-1 = unbounded; a bound >= the "
+                             f"sequence lengths is unbounded too), got {v} in window_size={tuple(window_size)!r}")
     return int(window_size[0]), int(window_size[1])
+
+
+#: The largest window bound accepted (int32, as the kernels' band bounds).
+MAX_WINDOW = 2 ** 31 - 1
 
 
 def keyable_call(tensors: Tuple[Any, ...], window_size: Any, scale: Any) -> bool:
@@ -253,6 +258,12 @@ def check_length_values(qkv_format: str, query: torch.Tensor, key: torch.Tensor,
         if t is not None:
             names.append(arg)
             tensors.append(t)
+    for arg, t in zip(names, tensors):
+        if t.is_meta:
+            raise NotImplementedError(
+                f"{arg} is a meta tensor (no data), but qkv_format={qkv_format!r} calls read the cu_seqlens values (checks "
+                "and sequence offsets) per call; pass real cu_seqlens tensors (for shapes only, trace the call under "
+                "torch.compile or FakeTensorMode)")
     packed = qkv_format == "thd"
     tokens = (query.shape[0], key.shape[0]) if packed else None
     if query.device.type == "cuda":

@@ -139,11 +139,11 @@ class RawCallbackMod(ScoreMod):
             shape = torch.broadcast_shapes(out.shape, score.shape)
         except RuntimeError:
             shape = None
-        if shape != tuple(score.shape) or not out.is_floating_point():
-            raise ValueError(f"raw cuDNN score_mod {self.name!r}: reference= must return floating scores "
-                             f"broadcastable to the score's shape {tuple(score.shape)}, got {out.dtype} of shape "
-                             f"{tuple(out.shape)}")
-        return out
+        if shape != tuple(score.shape) or out.dim() != score.dim() or not out.is_floating_point():
+            raise ValueError(f"raw cuDNN score_mod {self.name!r}: reference= must return floating scores with as "
+                             f"many dims as the score, broadcastable to the score's shape {tuple(score.shape)}, got "
+                             f"{out.dtype} of shape {tuple(out.shape)}")
+        return out if out.shape == score.shape else out.expand(score.shape)
 
     def lower_forward(self, graph, score, operands, memo):
         return self.fn(graph, score, {k: operands[f"fwd_{k}"] for k in self.fwd_tensors})

@@ -114,6 +114,8 @@ def test_as_score_mod():
 @pytest.mark.parametrize("reference, exc, match", [
     (lambda s, b, h, q, k: s[..., :1, :2], ValueError, r"broadcastable to the score's shape \(1, 2, 8, 8\), got .* \(1, 2, 1, 2\)"),
     (lambda s, b, h, q, k: s.sum(-1), ValueError, r"got .* of shape \(1, 2, 8\)"),
+    (lambda s, b, h, q, k: s.sum(), ValueError, r"with as many dims as the score, .* got .* of shape \(\)"),
+    (lambda s, b, h, q, k: torch.tensor(0.5), ValueError, r"with as many dims as the score, .* of shape \(\)"),
     (lambda s, b, h, q, k: (s > 0), ValueError, "must return floating scores"),
     (lambda s, b, h, q, k: 0.5, TypeError, "reference= must return a torch.Tensor, got float"),
 ])
