@@ -45,9 +45,12 @@ def check_window(window_size: Any) -> Optional[Tuple[int, int]]:
     for side, v in zip(("left", "right"), window_size):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"window_size {side} must be an int >= -1 (-1 = unbounded), got {v!r} ({type(v).__name__})")
-        if not -1 <= v <= MAX_WINDOW:
-            raise ValueError(f"window_size {side} must be >= -1 and <= {MAX_WINDOW} (-1 = unbounded; a bound >= the "
-                             f"sequence lengths is unbounded too), got {v} in window_size={tuple(window_size)!r}")
+        if v < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {v}; accepted: ints in "
+                             f"[-1, {MAX_WINDOW}]")
+        if v > MAX_WINDOW:
+            raise ValueError(f"window_size {side} must be <= {MAX_WINDOW} (a bound past the sequence lengths is "
+                             f"unbounded already; -1 = unbounded), got {v}; accepted: ints in [-1, {MAX_WINDOW}]")
     return int(window_size[0]), int(window_size[1])
 
 

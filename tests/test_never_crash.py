@@ -21,7 +21,7 @@ def test_window_size_out_of_range_is_named(window):
     q = torch.randn(1, 8, 2, 8)
     bad = next(v for v in window if not -1 <= v < 2 ** 31)
     side = "left" if bad == window[0] else "right"
-    match = rf"window_size {side} must be >= -1 and <= 2147483647 .*got {bad} in window_size=\({window[0]}, {window[1]}\)"
+    match = rf"window_size {side} must be .*got {bad}; accepted: ints in \[-1, 2147483647\]"
     with pytest.raises(ValueError, match=match):
         fused_attn.dot_product_attention(q, q, q, window_size=window)
     with pytest.raises(ValueError, match=match):
