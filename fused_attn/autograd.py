@@ -18,9 +18,9 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from .mod_values import check_mod_unchanged
+from .mod_values import check_mod_unchanged, tensor_versions
 
-__all__ = ["attention", "PlanAttention", "check_mod_unchanged"]
+__all__ = ["attention", "PlanAttention", "check_mod_unchanged", "tensor_versions"]
 
 
 class PlanAttention(torch.autograd.Function):
@@ -36,7 +36,7 @@ class PlanAttention(torch.autograd.Function):
         ctx.runner, ctx.state, ctx.n_extras = runner, state, len(extras)
         # a module updates its score_mod's values in place (TracedMod.take_values replaces the
         # values dict): the backward checks they are still the forward's
-        ctx.mod, ctx.mod_values = mod, getattr(mod, "_values", None)
+        ctx.mod, ctx.mod_values, ctx.mod_versions = mod, getattr(mod, "_values", None), tensor_versions(mod)
         ctx.save_for_backward(*saved)
         if lse is not None:
             ctx.mark_non_differentiable(lse)
@@ -49,7 +49,7 @@ class PlanAttention(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor, _grad_lse: Optional[torch.Tensor]):
         if grad_out is None:
             return (None,) * (1 + 3 + ctx.n_extras)
-        check_mod_unchanged(ctx.mod, ctx.mod_values)
+        check_mod_unchanged(ctx.mod, ctx.mod_values, ctx.mod_versions)
         grads = ctx.runner.backward(ctx.state, ctx.saved_tensors, grad_out)
         # the call tuple (sinks itself is among the extras), q, k, v, *extras
         return (None,) + tuple(grads)

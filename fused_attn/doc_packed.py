@@ -31,7 +31,7 @@ from .functional import _is_dtensor, run_call, run_spec
 from .memo import BoundedMemo, capturing
 from . import extensions
 from .plan import Varlen
-from .spec import resolve_spec
+from .spec import loaded_mod, resolve_spec, stored_mod
 from .validation import check_window, keyable_call
 
 __all__ = ["doc_packed_attn", "doc_cu_seqlens", "check_doc_boundaries"]
@@ -107,8 +107,8 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
 #: Checked global offsets (and the longest document of a host table) per boundary table, keyed
 #: (id, version, B, S, max_doc_len, device).
 #: A model's layers share one table per step, so only its first call checks and derives them
-#: (and the thd preparation, memoized per offsets tensor, is shared too). An entry keeps its
-#: table alive, so the id cannot be reused while cached; an in-place edit bumps the version.
+#: (and the thd preparation, memoized per offsets tensor, is shared too). An entry holds its
+#: table weakly (a freed table's entry misses: its id may be reused); an in-place edit bumps the version.
 _OFFSETS = BoundedMemo(64, "doc_packed.offsets")
 
 
@@ -258,9 +258,10 @@ def doc_packed_attn(
             out = run_call(_resolve, (mask_type, window, scale), score_mod, _packed(query), _packed(key),
                            _packed(value), varlen)
             return out.view(query.shape[0], query.shape[1], out.shape[-2], out.shape[-1])
-        hit = (varlen,) + _resolve((mask_type, window, scale), score_mod)
+        spec, mod = _resolve((mask_type, window, scale), score_mod)
+        hit = (varlen, spec, stored_mod(mod, score_mod))
         _CALLS.put_identity(key_, (cu_seq, score_mod), hit)
-    varlen, spec, mod = hit
+    varlen, spec, mod = hit[0], hit[1], loaded_mod(hit[2], score_mod)
     out = run_spec(spec, mod, _packed(query), _packed(key), _packed(value), varlen)
     return out.view(query.shape[0], query.shape[1], out.shape[-2], out.shape[-1])
 
@@ -268,8 +269,8 @@ def doc_packed_attn(
 #: Validated doc_packed calls: (Varlen, spec, normalized score_mod) per (boundary table, its
 #: version, q / k / v shapes, device, score_mod, the other arguments; see `_call_key`). The
 #: layers of a model repeat one call's arguments, so only the first runs the checks, derives the
-#: offsets and resolves the spec. An entry keeps its table and score_mod alive (their ids cannot
-#: be reused while cached); an in-place edit of the table bumps its version; calls during CUDA
+#: offsets and resolves the spec. An entry holds its table and score_mod weakly (a freed one's
+#: entry misses) and never the mod itself; an in-place edit of the table bumps its version; calls during CUDA
 #: graph capture (checked here by the query's stream: a CPU table's entry would not see it) or
 #: torch.compile, and calls with other tensor types, are checked in full.
 _CALLS = BoundedMemo(64, "doc_packed.calls")

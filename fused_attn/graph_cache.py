@@ -14,12 +14,14 @@ The cache is per process; entries of every device share it (the device index is 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 
 from .cache import GRAPH_CACHE, CacheInfo
 from .graph_store import GraphStore, StoreInfo
+from .memo import clear_all
 
 __all__ = ["cache_info", "clear", "set_maxsize", "set_persistent_dir", "persistent_info", "warmup", "CacheInfo",
            "StoreInfo"]
@@ -31,7 +33,13 @@ def cache_info() -> CacheInfo:
 
 
 def clear() -> None:
-    """Release every cached graph and reset the statistics."""
+    """Release every cached graph and everything else the library caches per process (call
+    plans, resolved specs, memos, materialized score_mod operands) and reset the graph
+    statistics: afterwards no cache holds a tensor or a graph."""
+    clear_all()
+    materialization = sys.modules.get("score_mods.materialization")
+    if materialization is not None:
+        materialization.clear_cache()
     GRAPH_CACHE.clear()
 
 
@@ -78,6 +86,7 @@ _KNOWN = set(_REQUIRED) | {
 
 _SIZES = ("batch", "seqlen_q", "seqlen_kv", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "max_seqlen")
 _DTYPES = (torch.bfloat16, torch.float16)
+_FORMATS = ("bshd", "sbhd", "bhsd", "thd")
 
 
 def _check_config(cfg: Any, i: int) -> None:
@@ -104,6 +113,9 @@ def _check_config(cfg: Any, i: int) -> None:
     if device.type != "cuda":
         raise ValueError(f"warmup configs[{i}]['device'] must be a CUDA device (graphs are built for cuDNN), "
                          f"got {str(device)!r}")
+    fmt = cfg.get("qkv_format", "bshd")
+    if fmt not in _FORMATS:
+        raise ValueError(f"warmup configs[{i}]['qkv_format'] must be one of {list(_FORMATS)}, got {fmt!r}")
 
 
 def _inputs(cfg: Dict[str, Any], requires_grad: bool):
@@ -131,9 +143,7 @@ def _inputs(cfg: Dict[str, Any], requires_grad: bool):
         return q, k, v, extra
     shapes = {"bshd": lambda s, n, e: (b, s, n, e), "sbhd": lambda s, n, e: (s, b, n, e),
               "bhsd": lambda s, n, e: (b, n, s, e)}
-    if fmt not in shapes:
-        raise ValueError(f"warmup config qkv_format={fmt!r}; accepted: bshd, sbhd, bhsd, thd")
-    make = shapes[fmt]
+    make = shapes[fmt]  # checked by _check_config
     q = torch.empty(make(sq, h, d), **kw)
     k = torch.empty(make(skv, hkv, d), **kw)
     v = torch.empty(make(skv, hkv, dv), **kw)
@@ -164,9 +174,10 @@ def warmup(configs: Iterable[Dict[str, Any]], backward: bool = True) -> CacheInf
     for i, cfg in enumerate(configs):  # every config is checked before any graph is built
         _check_config(cfg, i)
     if configs and not torch.cuda.is_available():
-        raise RuntimeError(f"graph_cache.warmup builds cuDNN graphs on a CUDA device, and this torch "
-                           f"({torch.__version__}) sees none; without a GPU there is nothing to warm up (the "
-                           "reference backend builds no graphs)")
+        raise RuntimeError(f"warmup: configs[0]['device'] is {str(configs[0].get('device', 'cuda'))!r}"
+                           f"{'' if 'device' in configs[0] else ' (the default)'}, but this torch has no usable CUDA "
+                           "device (torch.cuda.is_available() is False): cuDNN graphs are built on a GPU; nothing "
+                           "was built")
     from .progress import progress
 
     for cfg in progress(configs, desc="graph warm-up"):

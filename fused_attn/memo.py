@@ -4,16 +4,17 @@ Replaces ad-hoc module dicts (unbounded, or raising KeyError when two threads ra
 `move_to_end` / `popitem`). Every operation takes one `threading.Lock`; factories and eviction
 callbacks run outside it.
 
-Keys built from `id()`s (tensors whose identity, not value, decides a hit) must pin their objects,
-or a freed object's id may be reused by a different one. Store the objects with the value and
-check identity on a hit::
+Keys built from `id()`s (tensors whose identity, not value, decides a hit) must check identity on
+a hit, or a freed object's id may be reused by a different one. Store the objects with the value
+(held weakly: an entry never keeps a caller's tensor alive; once one is freed the entry misses and
+is dropped) and check identity on a hit::
 
     objs = (cu_seqlens_q, cu_seqlens_kv)
     key = tuple((id(t), t._version) for t in objs) + (max_q,)
     value = _PREPARED.get_identity(key, objs)      # the value only if the very same objects
     if value is None:
         value = compute(...)
-        _PREPARED.put_identity(key, objs, value)   # the entry keeps objs alive while cached
+        _PREPARED.put_identity(key, objs, value)   # the entry holds objs weakly
 
 Identity entries hold values computed from the objects' contents on their device. While a CUDA
 graph is being captured on the current stream of a CUDA tensor among the objects, identity
@@ -25,13 +26,13 @@ graph; an entry stored then would hold buffers nothing has written).
 from __future__ import annotations
 
 import threading
-from operator import is_
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Generic, Hashable, NamedTuple, Optional, TypeVar
 
 import torch
 
-__all__ = ["BoundedMemo", "MemoInfo", "capturing"]
+__all__ = ["BoundedMemo", "MemoInfo", "capturing", "register_clear", "clear_all"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -51,13 +52,21 @@ class MemoInfo(NamedTuple):
 
 
 class _Pinned:
-    """An identity entry: the value plus the objects whose ids are in its key (kept alive)."""
+    """An identity entry: the value plus the objects whose ids are in its key, as callables
+    returning them (weak references where the object allows one; None, ints, ... held as is)."""
 
     __slots__ = ("objects", "value")
 
     def __init__(self, objects: tuple, value: Any) -> None:
         self.objects = objects
         self.value = value
+
+
+def _held(obj: Any, on_death: Callable[[Any], None]) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj, on_death)
+    except TypeError:
+        return lambda: obj
 
 
 class _Pending:
@@ -72,6 +81,29 @@ class _Pending:
         self.error: Optional[BaseException] = None
 
 
+#: Every BoundedMemo (weakly) and the clear functions of the other process-wide caches:
+#: `clear_all` (what `fused_attn.graph_cache.clear()` calls) empties them all.
+_ALL: "weakref.WeakSet[BoundedMemo]" = weakref.WeakSet()
+_CLEARERS: Dict[str, Callable[[], None]] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_clear(name: str, clear: Callable[[], None]) -> None:
+    """Register a process-wide cache's clear function under `name` (re-registering replaces)."""
+    with _REGISTRY_LOCK:
+        _CLEARERS[name] = clear
+
+
+def clear_all() -> None:
+    """Empty every BoundedMemo and every registered cache (statistics of the memos kept)."""
+    with _REGISTRY_LOCK:
+        memos, clearers = list(_ALL), list(_CLEARERS.values())
+    for memo in memos:
+        memo.clear(reset_stats=False)
+    for clear in clearers:
+        clear()
+
+
 def capturing(objects: tuple) -> bool:
     """Whether the current stream of the first CUDA tensor among `objects` is capturing a CUDA
     graph (see the module docstring). Capture needs an initialized CUDA context; without one
@@ -84,8 +116,8 @@ def capturing(objects: tuple) -> bool:
 
 
 def _same(stored: tuple, objects: tuple) -> bool:
-    """Element-wise identity (`is`), never `==` (tensors compare element-wise)."""
-    return stored is objects or (len(stored) == len(objects) and all(map(is_, stored, objects)))
+    """Element-wise identity (`is`) of the held objects, never `==` (tensors compare element-wise)."""
+    return len(stored) == len(objects) and all(held() is obj for held, obj in zip(stored, objects))
 
 
 class BoundedMemo(Generic[K, V]):
@@ -104,7 +136,7 @@ class BoundedMemo(Generic[K, V]):
     """
 
     __slots__ = ("_name", "_maxsize", "_data", "_lock", "_pending", "_generation", "_on_evict",
-                 "_hits", "_misses", "_evictions")
+                 "_hits", "_misses", "_evictions", "_dead", "__weakref__")
 
     def __init__(self, maxsize: int, name: str, on_evict: Optional[Callable[[K, V], None]] = None) -> None:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int):
@@ -123,6 +155,8 @@ class BoundedMemo(Generic[K, V]):
         self._generation = 0
         self._on_evict = on_evict
         self._hits = self._misses = self._evictions = 0
+        self._dead: list = []  # keys of identity entries whose objects were freed (dropped at the next put)
+        _ALL.add(self)
 
     # lookups ------------------------------------------------------------------------------
     def get(self, key: K, default: Optional[V] = None) -> Optional[V]:
@@ -228,19 +262,31 @@ class BoundedMemo(Generic[K, V]):
     def put(self, key: K, value: V) -> None:
         """Store `value` under `key` (most recently used), evicting past the bound."""
         with self._lock:
+            if self._dead:
+                self._drop_dead_locked()
             self._data[key] = value
             self._data.move_to_end(key)
             evicted = self._shrink_locked()
         self._notify(evicted)
 
+    def _drop_dead_locked(self) -> None:
+        """Remove identity entries one of whose objects was freed (they can never hit again)."""
+        dead, self._dead[:] = list(self._dead), []
+        for key in dead:
+            entry = self._data.get(key)
+            if type(entry) is _Pinned and any(held() is None for held in entry.objects):
+                del self._data[key]
+
     def put_identity(self, key: K, objects: tuple, value: V) -> None:
-        """Store `value` with `objects` (kept alive by the entry) for `get_identity`; nothing
-        during CUDA graph capture (module docstring)."""
+        """Store `value` with `objects` (held weakly, see the module docstring) for
+        `get_identity`; nothing during CUDA graph capture (module docstring)."""
         if not isinstance(objects, tuple):
             raise TypeError(f"BoundedMemo {self._name!r}: objects must be a tuple, got {type(objects).__name__}")
         if capturing(objects):
             return
-        self.put(key, _Pinned(objects, value))  # type: ignore[arg-type]
+        dead = self._dead
+        held = tuple(_held(obj, lambda _ref: dead.append(key)) for obj in objects)
+        self.put(key, _Pinned(held, value))  # type: ignore[arg-type]
 
     def pop(self, key: K, default: Optional[V] = None) -> Optional[V]:
         """Remove `key`; return its value (an identity entry's value) or `default`."""

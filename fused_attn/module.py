@@ -187,6 +187,15 @@ class DotProductAttention(nn.Module):
         # Spec keys for torch.compile, registered here in eager code: a compiled model reads constants.
         object.__setattr__(self, "_op_keys", (op_keys_for(eval_spec), op_keys_for(train_spec)))
         object.__setattr__(self, "_checked", {})
+        # What an eager forward reads, in one attribute read: the specs, a private copy of the
+        # score_mod that nothing updates in place (`_call_mod` is, for torch.compile), and the
+        # configuration the per-call overrides start from. An assignment from another thread
+        # replaces it whole, so a call never mixes two configurations.
+        eager_mod = mod.private_copy() if hasattr(mod, "private_copy") else mod
+        config = dict(common, score_mod=eager_mod, score_mod_tensors=None, score_mod_bprop=None,
+                      score_mod_bprop_tensors=None, return_lse=False)
+        config.pop("softmax_type")
+        object.__setattr__(self, "_state", (eval_spec, train_spec, eager_mod, config))
 
     # ------------------------------------------------------------------ forward
 
@@ -197,7 +206,7 @@ class DotProductAttention(nn.Module):
         if self.cp_group is not None:
             return extensions.get("module_context_parallel")(self, self.cp_group, self.cp_comm, self.cp_layout, query, key, value,
                                            **overrides)
-        eval_spec, train_spec, mod = self._specs
+        eval_spec, train_spec, mod, config = self._state  # read once: see _resolve
         spec = train_spec if self.training else eval_spec
         varlen = NO_VARLEN
         if overrides:
@@ -208,12 +217,9 @@ class DotProductAttention(nn.Module):
             if any(n in overrides for n in _VARLEN):
                 varlen = Varlen(*(overrides.get(n) for n in _VARLEN))
             if any(n in overrides for n in _SPEC_KWARGS):
-                cfg = dict(qkv_format=self._qkv_format, attn_mask_type=self._attn_mask_type,
-                           window_size=self._window_size, softmax_scale=self._softmax_scale, score_mod=self._call_mod,
-                           score_mod_tensors=None, score_mod_bprop=None, score_mod_bprop_tensors=None,
-                           return_lse=False, backend=self._backend, deterministic=self._deterministic,
-                           softmax_type=self._softmax_type, dropout_p=spec.dropout_p)
+                cfg = dict(config, softmax_type=spec.softmax_type, dropout_p=spec.dropout_p)
                 cfg.update((n, overrides[n]) for n in _SPEC_KWARGS if n in overrides)
+                V.check_choice("qkv_format", cfg["qkv_format"], QKV_FORMATS)
                 self._check_config(query, key, value, cfg["qkv_format"])
                 score_mod = cfg.pop("score_mod")
                 return run_call(_resolve_call, tuple(cfg[n] for n in _CONFIG_ORDER), score_mod, query, key, value,
@@ -225,7 +231,8 @@ class DotProductAttention(nn.Module):
             if backend == "auto":
                 backend = traced_backend(query.device.type, query.dtype, static_int(query.shape[-1]),
                                          static_int(value.shape[-1]))
-            out, lse = attention_by_key(keys[backend], mod, query, key, value, varlen, self.sinks)
+            # the compile-stable mod (values updated in place: no recompile per value)
+            out, lse = attention_by_key(keys[backend], self._specs[2], query, key, value, varlen, self.sinks)
             return out if lse is None else (out, lse)
         return run_spec(spec, mod, query, key, value, varlen, self.sinks)
 

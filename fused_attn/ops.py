@@ -28,7 +28,7 @@ import torch
 
 from . import engines
 from .plan import Varlen, get_plan
-from .spec import AttentionSpec
+from .spec import AttentionSpec, frozen_template
 
 __all__ = ["attention_by_key", "compiled_key", "op_keys_for", "register_spec", "lookup_spec", "spec_key", "static_int",
            "static_value", "traced_backend"]
@@ -39,22 +39,19 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 def spec_key(spec: AttentionSpec) -> str:
-    """Stable string naming a spec (the same in every process)."""
-    digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:24]
+    """Stable string naming a spec (the same in every process), with its score_mod's structural
+    values (a window's native band: another band is another registered spec)."""
     mod = spec.score_mod
+    structure = () if mod is None else mod.structural_values()
+    digest = hashlib.sha256((repr(spec) + (f"|{structure!r}" if structure else "")).encode()).hexdigest()[:24]
     name = getattr(mod, "base_name", getattr(mod, "name", "none"))  # value-free: a new value keeps the key
     return f"{spec.backend}:{name}:{digest}"
 
 
 def _without_tensor_data(mod: Any) -> Any:
     """The mod with its tensor parameters replaced by meta tensors of the same shape and dtype
-    (the registry must not keep users' biases alive)."""
-    if mod is None or not hasattr(mod, "bind"):
-        return mod
-    tensors = mod.tensors()
-    if not tensors:
-        return mod
-    return mod.bind(**{n: torch.empty_like(t, device="meta") for n, t in tensors.items()})
+    (the registry must not keep users' biases alive), never an object updated in place."""
+    return frozen_template(mod)
 
 
 def _register(spec: AttentionSpec) -> str:

@@ -5,8 +5,10 @@
 
 A *signature* is what changes the plan: shapes (for thd: everything but the token count),
 strides, dtypes, devices, whether gradients are needed, pointer alignment, the cu_seqlens
-tensors' shapes, the max_seqlen buckets, the score_mod's tensor parameters' descriptions and the
-sinks tensor's. A *plan* holds the validated `StaticProblem`, the chosen backend and the reason,
+tensors' shapes, the max_seqlen buckets, the score_mod's tensor parameters' descriptions, the
+sinks tensor's, and the score_mod's structural values (values a backend turns into structure,
+such as a window's native band). A plan keeps structure, never a user's tensor: its spec holds
+the mod's `structure_only()`. A *plan* holds the validated `StaticProblem`, the chosen backend and the reason,
 and that backend's runner (graphs, slot order, allocation recipes). A cache hit validates
 nothing: the checks that depend on the signature ran when the plan was made; the only per-call
 checks are the ones that need values (cu_seqlens: an asynchronous device assertion; max_seqlen:
@@ -29,8 +31,9 @@ import torch
 
 from . import engines, planning
 from . import validation as V
+from .memo import register_clear
 from .layouts import logical_shape
-from .spec import AttentionSpec
+from .spec import AttentionSpec, frozen_template
 from .static import NO_VARLEN, Refusal, StaticProblem, Varlen, bucket
 from .static import mod_signature as _mod_sig
 
@@ -71,6 +74,12 @@ def _tensor_sig(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
+def _mod_structure(mod: Any) -> Any:
+    """The values of this call's mod that a backend turns into structure
+    (`ScoreMod.structural_values`: a window's native band): part of the plan key."""
+    return None if mod is None else mod.structural_values()
+
+
 def signature(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen, mod: Any,
               sinks: Optional[torch.Tensor], force_grad: bool = False) -> tuple:
     """The plan-cache key of a call (raises AttributeError/TypeError on non-tensors: the slow
@@ -100,7 +109,7 @@ def signature(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             varlen.cu_seqlens_q_padded is not None, varlen.cu_seqlens_kv_padded is not None,
             varlen.max_seqlen_q, varlen.max_seqlen_kv)
     return (spec, shapes, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad, align == 0, lens, msig,
-            None if sinks is None else _tensor_sig(sinks))
+            None if sinks is None else _tensor_sig(sinks), _mod_structure(mod))
 
 
 def signature_records_grad(key: tuple) -> bool:
@@ -120,7 +129,8 @@ def _bucket_arg(n: Any) -> Any:
 
 
 class _PlanCache:
-    """Bounded, thread-safe LRU of call plans (a hit is one dict lookup)."""
+    """Bounded, thread-safe LRU of call plans: a hit moves its plan to the recent end, a put past
+    `maxsize` evicts the least recently used plan."""
 
     def __init__(self, maxsize: int = 512) -> None:
         self.maxsize = maxsize
@@ -129,15 +139,18 @@ class _PlanCache:
         self.hits = self.misses = 0
 
     def get(self, key: tuple) -> Optional[CallPlan]:
-        plan = self._entries.get(key)
-        if plan is not None:
-            self.hits += 1
-        return plan
+        with self._lock:
+            plan = self._entries.get(key)
+            if plan is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            return plan
 
     def put(self, key: tuple, plan: CallPlan) -> CallPlan:
         with self._lock:
             self.misses += 1
             self._entries[key] = plan
+            self._entries.move_to_end(key)
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
         return plan
@@ -159,6 +172,9 @@ def clear_plans() -> None:
     rectangles' routes); the graph cache keeps its graphs."""
     PLANS.clear()
     engines.clear_memos()
+
+
+register_clear("plan.plans", clear_plans)
 
 
 def plan_info() -> dict:
@@ -244,11 +260,12 @@ def _aligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
                sinks: Optional[torch.Tensor], force_grad: bool = False) -> CallPlan:
-    if mod is not None and spec.score_mod is not mod and getattr(mod, "cache_key", None) == spec.score_mod_key:
-        # A runner takes its graphs' operand shapes from spec.score_mod: make that this call's mod.
-        # (Eager specs hold the call's mod already; under torch.compile the spec holds the
-        # registry's template, whose tensor parameters are stand-ins of another shape.)
-        spec = dataclasses.replace(spec, score_mod=mod)
+    if mod is not None and getattr(mod, "cache_key", None) == spec.score_mod_key:
+        # A runner takes its graphs' operand shapes and structural values (a native band) from
+        # spec.score_mod: make that this call's mod, without its data (the plan outlives the
+        # call; under torch.compile the spec holds the registry's template, whose tensor
+        # parameters are stand-ins of another shape).
+        spec = dataclasses.replace(spec, score_mod=frozen_template(mod))
     problem = _static_problem(spec, mod, q, k, v, varlen, sinks, force_grad)
     backend, reason, runner = engines.choose(problem)
     if backend == "reference" and problem.device.type == "cuda" and spec.backend == "auto":

@@ -7,20 +7,22 @@ score_mods of the same math (equal `cache_key`) are equal, whatever their float 
 tensor contents, so one call plan serves both; the values travel with each call (`mod`, the
 second result of `resolve_spec`). `DotProductAttention` resolves its spec when it is built and
 again when a configuration attribute changes; the functional API goes through a small bounded
-memo keyed by its arguments (score_mod objects by identity, pinned alive by the memo entry so
-an identity is never reused while cached).
+memo keyed by its arguments (score_mod objects by identity, held weakly: a hit checks the very
+same live object). Specs hold a mod's `structure_only()` (shapes, no data), never a user's tensor.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any, Hashable, Optional, Tuple
 
 from . import validation as V
 from .engine_table import names as backend_names
+from .memo import register_clear
 from .problem import MASK_TYPES, QKV_FORMATS, Band
 
 __all__ = ["AttentionSpec", "resolve_spec", "SOFTMAX_TYPES", "clear_spec_memo"]
@@ -135,15 +137,17 @@ def _resolve(qkv_format: Any, attn_mask_type: Any, window_size: Any, softmax_sca
         padding=not packed and attn_mask_type in V.PADDING_TYPES, softmax_scale=scale,
         score_mod_key=None if mod is None else mod.cache_key, return_lse=return_lse,
         deterministic=deterministic, backend=backend, softmax_type=softmax_type, dropout_p=dropout,
-        score_mod=mod)
+        score_mod=None if mod is None else mod.structure_only())
     return spec, mod
 
 
 class _SpecMemo:
     """Bounded, thread-safe LRU of resolved specs keyed by the call's configuration arguments.
 
-    The score_mod enters the key by identity; the entry keeps the object alive (so the identity
-    is not reused while cached) and a hit checks it is the very same object."""
+    The score_mod enters the key by identity and the entry holds it weakly (a hit checks it is
+    the very same, live object): the memo keeps no user's mod, nor its tensors, alive. The spec
+    holds the mod's `structure_only()`; the normalized mod is held only when it is not the
+    given object and holds no tensor (a traced plain function), else rebuilt from the given one."""
 
     def __init__(self, maxsize: int = 256) -> None:
         self._maxsize = maxsize
@@ -151,14 +155,30 @@ class _SpecMemo:
         self._lock = threading.Lock()
 
     def get(self, key: tuple, score_mod: Any) -> Optional[Tuple[AttentionSpec, Any]]:
-        hit = self._entries.get(key)
-        if hit is None or hit[2] is not score_mod:
-            return None
-        return hit[0], hit[1]
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
+            spec, mod, ref = hit
+            if (score_mod is not None if ref is None else ref() is not score_mod):
+                return None
+            self._entries.move_to_end(key)
+        return spec, (score_mod if mod is _SAME else mod)
 
     def put(self, key: tuple, score_mod: Any, spec: AttentionSpec, mod: Any) -> None:
+        ref = None
+        if score_mod is not None:
+            try:
+                ref = weakref.ref(score_mod)
+            except TypeError:
+                return  # not weakly referenceable: not memoized
+        if mod is score_mod:
+            mod = _SAME
+        elif mod is not None and mod.structure_only() is not mod:
+            return  # a normalized mod holding tensors: not memoized
         with self._lock:
-            self._entries[key] = (spec, mod, score_mod)
+            self._entries[key] = (spec, mod, ref)
+            self._entries.move_to_end(key)
             while len(self._entries) > self._maxsize:
                 self._entries.popitem(last=False)
 
@@ -167,12 +187,39 @@ class _SpecMemo:
             self._entries.clear()
 
 
+_SAME = object()  # the entry's normalized mod is the given score_mod itself
+
+
+def frozen_template(mod: Any) -> Any:
+    """`mod.structure_only()`, as an object of its own when that is `mod` itself and `mod` may be
+    updated in place (a module's compile-stable mod, `TracedMod.take_values`): what outlives a
+    call (a plan's or a registered spec's template) never changes behind its key."""
+    if mod is None:
+        return None
+    template = mod.structure_only()
+    if template is mod and hasattr(mod, "private_copy"):
+        template = mod.private_copy()
+    return template
+
+
+def stored_mod(mod: Any, given: Any) -> Any:
+    """What a memo keyed by the given score_mod's identity stores for its normalized mod: a
+    marker when they are one object (the memo then never holds the user's mod)."""
+    return _SAME if mod is given else mod
+
+
+def loaded_mod(stored: Any, given: Any) -> Any:
+    """The normalized mod from `stored_mod`'s value, for the same given score_mod."""
+    return given if stored is _SAME else stored
 _MEMO = _SpecMemo()
 
 
 def clear_spec_memo() -> None:
-    """Drop the memoized specs (and the score_mod objects they pin)."""
+    """Drop the memoized specs."""
     _MEMO.clear()
+
+
+register_clear("spec.resolved", clear_spec_memo)
 
 
 def _typed(value: Any) -> Any:

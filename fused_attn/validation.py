@@ -46,8 +46,16 @@ def check_window(window_size: Any) -> Optional[Tuple[int, int]]:
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"window_size {side} must be an int >= -1 (-1 = unbounded), got {v!r} ({type(v).__name__})")
         if v < -1:
-            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {v}")
+            raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {v}; accepted: ints in "
+                             f"[-1, {MAX_WINDOW}]")
+        if v > MAX_WINDOW:
+            raise ValueError(f"window_size {side} must be <= {MAX_WINDOW} (a bound past the sequence lengths is "
+                             f"unbounded already; -1 = unbounded), got {v}; accepted: ints in [-1, {MAX_WINDOW}]")
     return int(window_size[0]), int(window_size[1])
+
+
+#: The largest window bound accepted (int32, as the kernels' band bounds).
+MAX_WINDOW = 2 ** 31 - 1
 
 
 def keyable_call(tensors: Tuple[Any, ...], window_size: Any, scale: Any) -> bool:
@@ -258,6 +266,12 @@ def check_length_values(qkv_format: str, query: torch.Tensor, key: torch.Tensor,
         if t is not None:
             names.append(arg)
             tensors.append(t)
+    for arg, t in zip(names, tensors):
+        if t.is_meta:
+            raise NotImplementedError(
+                f"{arg} is a meta tensor (no data), but qkv_format={qkv_format!r} calls read the cu_seqlens values (checks "
+                "and sequence offsets) per call; pass real cu_seqlens tensors (for shapes only, trace the call under "
+                "torch.compile or FakeTensorMode)")
     packed = qkv_format == "thd"
     tokens = (query.shape[0], key.shape[0]) if packed else None
     if query.device.type == "cuda":
@@ -301,8 +315,8 @@ def _check_max_against(arg: str, value: Optional[int], lengths: List[int], what:
         raise ValueError(f"{arg}={value} is smaller than {what} ({max(lengths)})")
 
 
-#: CUDA cu_seqlens already checked, keyed by ((id, version) of each tensor, ...) and pinned to the tensors. An entry
-#: keeps its tensors alive, so an id is never reused while cached, and an in-place edit bumps
+#: CUDA cu_seqlens already checked, keyed by ((id, version) of each tensor, ...) and holding the tensors weakly. An entry
+#: of a freed tensor misses (its id may be reused), and an in-place edit bumps
 #: the version: a hit means the very same values.
 _CHECKED = BoundedMemo(64, "validation.cu_seqlens")
 

@@ -36,7 +36,7 @@ from .functional import run_call, run_spec
 from .memo import BoundedMemo
 from .plan import Varlen
 from .problem import Band
-from .spec import AttentionSpec, resolve_spec
+from .spec import AttentionSpec, loaded_mod, resolve_spec, stored_mod
 from .validation import check_window, keyable_call
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out", "doc_packed_attn"]
@@ -169,7 +169,7 @@ def varlen_attn(
                      enable_gqa, score_mod)
     hit = None if key_ is None else _CALLS.get_identity(key_, (score_mod,))
     if hit is not None:
-        spec, mod = hit
+        spec, mod = hit[0], loaded_mod(hit[1], score_mod)
         return run_spec(spec, mod, query, key, value, Varlen(cu_seq_q, cu_seq_k, None, None, max_q, max_k))
     if return_aux is not None and not isinstance(getattr(return_aux, "lse", None), bool):
         raise TypeError(f"return_aux must be None or AuxRequest(lse=...), got {return_aux!r}")
@@ -186,7 +186,7 @@ def varlen_attn(
     if key_ is None:  # torch.compile, DTensor and other tensor types: the public path's own handling
         return run_call(_resolve, config, score_mod, query, key, value, varlen)
     spec, mod = _resolve(config, score_mod)
-    _CALLS.put_identity(key_, (score_mod,), (spec, mod))
+    _CALLS.put_identity(key_, (score_mod,), (spec, stored_mod(mod, score_mod)))
     return run_spec(spec, mod, query, key, value, varlen)
 
 
@@ -194,7 +194,7 @@ def varlen_attn(
 #: window, scale, lse request, whether q and k share one cu_seqlens tensor, score_mod). The
 #: layers of a model repeat one call's arguments, so only the first runs the argument checks
 #: and resolves the spec (cu_seqlens values are checked on the device by every call). An entry
-#: keeps its score_mod alive (its id cannot be reused while cached).
+#: holds its score_mod weakly (a freed one's entry misses) and never the mod itself.
 _CALLS = BoundedMemo(64, "varlen.calls")
 
 

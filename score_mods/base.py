@@ -82,6 +82,18 @@ class ScoreMod(abc.ABC):
     def check(self, *, device: torch.device, batch: int, heads: int, seqlen_q: int, seqlen_kv: int) -> None:
         """Validate tensor parameters against the problem; raise ValueError/TypeError naming them."""
 
+    def structural_values(self) -> Hashable:
+        """Parameter values a backend turns into structure (a window into a native band, ...):
+        hashable, in every call-plan key, so a new value gets its own plan (values that reach
+        the kernel per call stay out). Default: none."""
+        return ()
+
+    def structure_only(self) -> "ScoreMod":
+        """This mod with the same structure, shapes, strides and dtypes and no user data: what
+        caches (specs, plans, graphs) keep. Tensor parameters become meta tensors. Default: self
+        (a mod holding no tensors)."""
+        return self
+
     def scalars(self) -> Dict[str, float]:
         """Float parameters by name (values bound per call; changing them never rebuilds)."""
         return {}
@@ -181,6 +193,11 @@ def describe_operands(operands: Dict[str, torch.Tensor]) -> tuple:
             for name, t in operands.items()
         )
     )
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with `t`'s shape, strides and dtype (no storage): structure, not data."""
+    return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
 
 
 def optional_float(value: Optional[float]) -> Optional[float]:

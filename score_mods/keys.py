@@ -6,7 +6,12 @@
   module that it reads by name (recursively). The digest is stable across processes, and a
   function redefined under the same name (a notebook re-run) with other code gets another key.
   A closure cell or default holding something without a stable encoding (a tensor, an
-  arbitrary object) is refused: pass cache_key=.
+  arbitrary object) is refused (TypeError): pass cache_key=. So is a function reading a
+  module-level object whose contents may change under the same code (a dict such as
+  CFG["cap"], a list, an instance's attribute): ValueError, pass cache_key= (or give the
+  callback's class score_mod_graph_cache_key()). Two functions with identical code, names and
+  reads (two module-level lambdas of the same text) share a key: harmless, they build the
+  same graph.
 * A bound method (or a callable object) whose class defines `score_mod_graph_cache_key()`
   (Transformer Engine's protocol) is keyed by that method's result (dicts, lists and sets
   frozen; tensors and NaN refused) plus the method's qualified name.
@@ -38,6 +43,11 @@ _log = logging.getLogger(__name__)
 
 class Unkeyable(TypeError):
     """A value with no stable encoding was found while digesting a function."""
+
+
+class ReadsMutableGlobal(Unkeyable):
+    """A function reads a module-level object whose contents may change (a dict, a list, an
+    instance's attributes) without changing the function's code: no code key can follow it."""
 
 
 # --------------------------------------------------------------------------- code digests
@@ -104,16 +114,24 @@ def _enc_function(fn: types.FunctionType, seen: set, depth: int) -> Any:
     glob = fn.__globals__
     for name in _global_names(fn.__code__):
         value = glob.get(name, _MISSING)
-        if value is _MISSING or isinstance(value, types.ModuleType):
+        if value is _MISSING or isinstance(value, types.ModuleType) or _is_code_like(value):
+            if inspect.isfunction(value) and value.__module__ == fn.__module__:
+                parts.append((name, _enc_function(value, seen, depth + 1)))
             continue
-        if inspect.isfunction(value) and value.__module__ == fn.__module__:
-            parts.append((name, _enc_function(value, seen, depth + 1)))
-        elif value is None or isinstance(value, (bool, int, float, complex, str, bytes, tuple, frozenset)):
-            try:
-                parts.append((name, _enc(value, seen, depth + 1)))
-            except Unkeyable:
-                continue  # a global tuple holding objects: left out (documented limit)
+        try:
+            parts.append((name, _enc(value, seen, depth + 1)))
+        except Unkeyable:
+            raise ReadsMutableGlobal(
+                f"{fn.__qualname__!r} reads the module-level name {name!r}, a {type(value).__name__} "
+                f"({_short(value)}) whose contents can change while the code stays the same") from None
     return tuple(parts)
+
+
+def _is_code_like(value: Any) -> bool:
+    """Module-level names a callback may read without entering its key by value: functions,
+    classes, builtins (their own code is what they are), and torch dtypes."""
+    return (inspect.isfunction(value) or isinstance(value, (type, types.BuiltinFunctionType, types.MethodWrapperType,
+                                                            torch.dtype, enum.Enum)) or inspect.isbuiltin(value))
 
 
 _MISSING = object()
@@ -277,5 +295,8 @@ def callback_key(fn: Callable, what: str) -> Tuple[Hashable, Tuple[int, ...]]:
 def _digest_or_raise(fn: Callable, what: str, how: str) -> str:
     try:
         return code_digest(fn)
+    except ReadsMutableGlobal as exc:
+        raise ValueError(f"{what} {fn.__qualname__!r} cannot be keyed by its code: {exc}, so a cached graph would "
+                         f"go stale; {how}, or give the callback's class a score_mod_graph_cache_key() method") from None
     except Unkeyable as exc:
         raise TypeError(f"{what} {fn.__qualname__!r} cannot be keyed by its code: {exc}; {how}") from None

@@ -33,7 +33,7 @@ from .expr import INDEX_AXES, Node, leaves, reads, topo_order
 MAX_ENTRIES = 64
 MAX_BYTES = 256 * 2 ** 20
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # re-entrant: a weakref callback may run under it (GC)
 _MEMO: "collections.OrderedDict[Any, Tuple[torch.Tensor, tuple]]" = collections.OrderedDict()
 _BYTES = [0]
 _STATS = {"hits": 0, "misses": 0, "uncached": 0}
@@ -86,14 +86,29 @@ def _drop(key) -> None:
     _BYTES[0] -= value.numel() * value.element_size()
 
 
+def _forget(key) -> Any:
+    """A weakref callback dropping `key` once one of its source tensors is freed (an entry never
+    outlives the tensors it was computed from)."""
+
+    def callback(_ref: Any) -> None:
+        with _LOCK:
+            if key in _MEMO:
+                _drop(key)
+
+    return callback
+
+
 def _store(key, refs, value: torch.Tensor) -> None:
     size = value.numel() * value.element_size()
     if size > MAX_BYTES:
         return
+    live = [r() for r in refs]
+    if any(t is None for t in live):
+        return
     with _LOCK:
         if key in _MEMO:
             _drop(key)
-        _MEMO[key] = (value, tuple(refs))
+        _MEMO[key] = (value, tuple(weakref.ref(t, _forget(key)) for t in live))
         _BYTES[0] += size
         while len(_MEMO) > MAX_ENTRIES or _BYTES[0] > MAX_BYTES:
             _drop(next(iter(_MEMO)))
@@ -119,6 +134,9 @@ def _evaluate(node: Node, dims, device, dtype, params: Dict[str, Any], axes: Seq
 def evaluate_cached(node: Node, dims, device, dtype, params: Dict[str, Any], axes: Sequence[str],
                     dense: bool = False) -> torch.Tensor:
     """`node` on the grid `dims`, broadcast to its axes (and to Sq, Skv when dense), memoized."""
+    if any(isinstance(v, torch.Tensor) and v.is_meta for v in params.values()):
+        # structure only (a plan's data-free template): the shape, dtype and layout, no data
+        return _evaluate(node, dims, torch.device("meta"), dtype, params, axes, dense)
     key, refs, grad = _key_and_refs(node, dims, device, dtype, params, dense)
     if grad:
         with _LOCK:

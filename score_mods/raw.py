@@ -12,7 +12,13 @@ by its name and a digest of its code (so a redefinition with other code gets ano
 bound method of a class with `score_mod_graph_cache_key()` (Transformer Engine's protocol) by
 that method's result; any other bound method by a token for its live object (listeners added
 with `add_release_listener(fn)` hear the token when the object is collected); a callback whose
-code cannot be keyed (a closure over a tensor) must give `cache_key=`.
+code cannot be keyed (a closure over a tensor) must give `cache_key=`, and so must one reading a
+module-level object whose contents can change under the same code (`CFG["cap"]`, `OBJ.cap`):
+without a key such a callback is refused with a ValueError (its cached graph would go stale).
+Two module-level lambdas with identical code share a key: harmless, they build the same graph.
+
+Tensors in `bprop_tensors` (and `tensors`) are version-checked between a forward and its
+backward: an in-place update in between raises torch's "modified by an inplace operation" error.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
-from .base import ScoreMod
+from .base import ScoreMod, meta_like
 from .keys import add_release_listener, callback_key, check_user_key, remove_release_listener  # noqa: F401
 
 
@@ -44,6 +50,11 @@ def _tensor_dict(arg: str, d: Optional[Dict[str, torch.Tensor]]) -> Dict[str, to
     if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
         raise TypeError(f"{arg} must be a dict of name -> torch.Tensor, got {type(d).__name__}")
     return {k: _operand(k, v) for k, v in d.items()}
+
+
+def _structure(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: torch.zeros((1, 1, 1, 1), dtype=t.dtype) if t.device.type == "cpu" else meta_like(t)
+            for k, t in tensors.items()}
 
 
 class RawCallbackMod(ScoreMod):
@@ -101,6 +112,16 @@ class RawCallbackMod(ScoreMod):
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {**{f"fwd_{k}": v for k, v in self.fwd_tensors.items()}, **{f"bwd_{k}": v for k, v in self.bwd_tensors.items()}}
 
+    def structure_only(self) -> "RawCallbackMod":
+        """See ScoreMod.structure_only: device tensors as meta tensors, CPU scalars as fresh CPU
+        scalars of their dtype (still pass-by-value); the callbacks and the key are kept."""
+        if not self.fwd_tensors and not self.bwd_tensors:
+            return self
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.fwd_tensors, copy.bwd_tensors = _structure(self.fwd_tensors), _structure(self.bwd_tensors)
+        return copy
+
     def cudnn_operands(self, dims=None, *, device=None) -> Dict[str, torch.Tensor]:
         return self.tensors()
 
@@ -118,11 +139,11 @@ class RawCallbackMod(ScoreMod):
             shape = torch.broadcast_shapes(out.shape, score.shape)
         except RuntimeError:
             shape = None
-        if shape != tuple(score.shape) or not out.is_floating_point():
-            raise ValueError(f"raw cuDNN score_mod {self.name!r}: reference= must return floating scores "
-                             f"broadcastable to the score's shape {tuple(score.shape)}, got {out.dtype} of shape "
-                             f"{tuple(out.shape)}")
-        return out
+        if shape != tuple(score.shape) or out.dim() != score.dim() or not out.is_floating_point():
+            raise ValueError(f"raw cuDNN score_mod {self.name!r}: reference= must return floating scores with as "
+                             f"many dims as the score, broadcastable to the score's shape {tuple(score.shape)}, got "
+                             f"{out.dtype} of shape {tuple(out.shape)}")
+        return out if out.shape == score.shape else out.expand(score.shape)
 
     def lower_forward(self, graph, score, operands, memo):
         return self.fn(graph, score, {k: operands[f"fwd_{k}"] for k in self.fwd_tensors})
@@ -246,6 +267,13 @@ class ChainMod(ScoreMod):
 
     def tensors(self) -> Dict[str, torch.Tensor]:
         return {k: v for i, p in enumerate(self.parts) for k, v in self._ns(i, p.tensors()).items()}
+
+    def structural_values(self) -> Hashable:
+        return tuple(p.structural_values() for p in self.parts)
+
+    def structure_only(self) -> "ChainMod":
+        parts = tuple(p.structure_only() for p in self.parts)
+        return self if all(a is b for a, b in zip(parts, self.parts)) else ChainMod(self.name, parts)
 
     @property
     def needs_dims(self) -> bool:

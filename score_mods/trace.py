@@ -32,7 +32,7 @@ import torch
 
 from . import eager as eager_mod
 from . import expr, lower_cudnn
-from .base import ScoreMod
+from .base import ScoreMod, meta_like
 from .expr import Node, Sym, TensorParam, TensorSym
 
 _NEG_INF = -math.inf
@@ -320,6 +320,25 @@ class TracedMod(ScoreMod):
         if band is not None:
             mod.native_band = band
         return mod
+
+    def structural_values(self) -> Hashable:
+        """The native band (left, right, bottom_right) a backend runs this mod as (its window
+        values become the kernel's band), or (): see ScoreMod.structural_values."""
+        band = self.__dict__.get("native_band")
+        return () if band is None else band
+
+    def structure_only(self) -> "TracedMod":
+        """See ScoreMod.structure_only: tensor parameters as meta tensors; values and the native
+        band kept (self when the mod holds no tensor)."""
+        values = {p: meta_like(v) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
+                  for p, v in self._values.items()}
+        if all(v is self._values[p] for p, v in values.items()):
+            return self
+        copy = self._copy(values)
+        band = self.__dict__.get("native_band")
+        if band is not None:
+            copy.native_band = band
+        return copy
 
     # binding -----------------------------------------------------------------
     def private_copy(self) -> "TracedMod":

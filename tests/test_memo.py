@@ -131,24 +131,32 @@ def test_identity_guard():
     assert m.pop(key) == "value"
 
 
-@pytest.mark.slow
-def test_identity_entries_pin_objects_until_evicted():
-    m = BoundedMemo(1, "t")
-    a = Obj()
+def test_identity_entries_hold_objects_weakly_and_miss_once_one_is_freed():
+    """An identity entry never keeps a caller's object alive; a freed object's entry misses
+    (even for a new object that reuses its id) and is dropped at the next put."""
+    m = BoundedMemo(4, "t")
+    a, b = Obj(), Obj()
     ref = weakref.ref(a)
-    m.put_identity((id(a),), (a,), "v")
+    m.put_identity((id(a),), (a, None), "v")
+    assert m.get_identity((id(a),), (a, None)) == "v"
+    key = (id(a),)
     del a
     gc.collect()
-    assert ref() is not None  # pinned: its id cannot be reused while cached
-    m.put("other", 0)  # evicts it
-    gc.collect()
-    assert ref() is None
+    assert ref() is None  # not pinned
+    assert m.get_identity(key, (b, None)) is None  # another object under the same key: a miss
+    assert len(m) == 1
+    m.put("other", 0)  # drops the dead entry
+    assert len(m) == 1 and key not in m
+    m.put_identity(key, (b,), "w")  # a live entry under a key that died before stays
+    m.put("more", 1)
+    assert m.get_identity(key, (b,)) == "w"
 
 
 def test_on_evict_gets_identity_entry_values():
     seen = []
     m = BoundedMemo(1, "t", on_evict=lambda k, v: seen.append(v))
-    m.put_identity("k", (Obj(),), "v")
+    alive = Obj()
+    m.put_identity("k", (alive,), "v")
     m.put("x", 1)
     assert seen == ["v"]
 

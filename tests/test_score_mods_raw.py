@@ -114,6 +114,8 @@ def test_as_score_mod():
 @pytest.mark.parametrize("reference, exc, match", [
     (lambda s, b, h, q, k: s[..., :1, :2], ValueError, r"broadcastable to the score's shape \(1, 2, 8, 8\), got .* \(1, 2, 1, 2\)"),
     (lambda s, b, h, q, k: s.sum(-1), ValueError, r"got .* of shape \(1, 2, 8\)"),
+    (lambda s, b, h, q, k: s.sum(), ValueError, r"with as many dims as the score, .* got .* of shape \(\)"),
+    (lambda s, b, h, q, k: torch.tensor(0.5), ValueError, r"with as many dims as the score, .* of shape \(\)"),
     (lambda s, b, h, q, k: (s > 0), ValueError, "must return floating scores"),
     (lambda s, b, h, q, k: 0.5, TypeError, "reference= must return a torch.Tensor, got float"),
 ])
@@ -127,3 +129,93 @@ def test_raw_reference_of_the_wrong_shape_is_named(reference, exc, match):
     q = k = v = torch.randn(1, 8, 2, 16)
     with pytest.raises(exc, match=match):
         fused_attn.dot_product_attention(q, k, v, score_mod=mod, backend="reference")
+
+
+# ----------------------------------------------------------------------------- Transformer Engine parity
+
+
+def _scale_reference(score, b, h, q_idx, kv_idx):
+    return score * 0.5
+
+
+def test_score_mod_tensors_are_version_checked_for_backward():
+    """As Transformer Engine's test of the same name: an in-place update of a
+    score_mod_bprop_tensors tensor between forward and backward raises torch's error."""
+    import fused_attn
+    from fused_attn.testing import assert_close, grad_tolerances
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 16, generator=gen, dtype=torch.float64).requires_grad_(True) for _ in range(3))
+    do = torch.randn(1, 8, 2, 16, generator=gen, dtype=torch.float64)
+    fwd_s, bwd_s = torch.tensor(0.5), torch.tensor(0.5)
+
+    def call():
+        mod = sm.raw_callback(scale_fprop, bprop=scale_bprop, tensors={"s": fwd_s}, bprop_tensors={"s": bwd_s},
+                              reference=_scale_reference)
+        return fused_attn.dot_product_attention(q, k, v, score_mod=mod, backend="reference")
+
+    out = call()  # untouched: gradients of the float64 reference
+    got = torch.autograd.grad(out, (q, k, v), do)
+    logical = [t.detach().transpose(1, 2) for t in (q, k, v)]
+    want, bounds = grad_tolerances(*logical, do.transpose(1, 2), 16 ** -0.5, torch.float64,
+                                   score_fn=lambda s, b, h, i, j: s * 0.5)
+    for name, g, w, bound in zip("qkv", got, want, bounds):
+        assert_close(g.transpose(1, 2), w, bound, f"d{name}")
+    for tensor in (bwd_s, fwd_s):
+        out = call()
+        tensor.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward(do)
+
+
+CFG = {"cap": 30.0}
+
+
+class _Config:
+    cap = 30.0
+
+
+OBJ = _Config()
+
+
+def fprop_reads_dict(graph, score, tensors):
+    return graph.mul(score, CFG["cap"])
+
+
+def fprop_reads_object(graph, score, tensors):
+    return graph.mul(score, OBJ.cap)
+
+
+SAME_A = lambda graph, score, tensors: score  # noqa: E731
+SAME_B = lambda graph, score, tensors: score  # noqa: E731
+
+
+@pytest.mark.parametrize("fn, name", [(fprop_reads_dict, "CFG"), (fprop_reads_object, "OBJ")])
+def test_raw_callback_reading_a_mutable_global_must_give_a_key(fn, name):
+    with pytest.raises(ValueError, match=f"reads the module-level name '{name}'.*stale.*pass cache_key="):
+        sm.raw_callback(fn)
+    with pytest.raises(ValueError, match="pass cache_key="):
+        sm.as_score_mod(fn, bprop=scale_bprop)
+    assert sm.raw_callback(fn, cache_key=("cap", 30.0)).cache_key[1] == ("cap", 30.0)
+
+
+def test_te_protocol_keys_a_callback_reading_a_mutable_global():
+    class Callback:
+        def score_mod_graph_cache_key(self):
+            return {"cap": CFG["cap"]}
+
+        def fprop(self, graph, score, tensors):
+            return graph.mul(score, CFG["cap"])
+
+    cb = Callback()
+    before = sm.raw_callback(cb.fprop).cache_key
+    CFG["cap"] = 50.0
+    try:
+        assert sm.raw_callback(cb.fprop).cache_key != before
+    finally:
+        CFG["cap"] = 30.0
+
+
+def test_identical_module_level_lambdas_share_a_key():
+    """Documented and harmless: the same code builds the same graph."""
+    assert sm.raw_callback(SAME_A).cache_key == sm.raw_callback(SAME_B).cache_key

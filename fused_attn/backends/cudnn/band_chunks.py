@@ -37,7 +37,7 @@ import torch
 
 from ...memo import BoundedMemo
 from ...mod_axes import index_uses, tensor_axes
-from ...mod_values import check_mod_unchanged
+from ...mod_values import check_mod_unchanged, tensor_versions
 from ...planning import planner
 from ...problem import Band
 from ...spec import AttentionSpec
@@ -420,7 +420,7 @@ class BandChunks(torch.autograd.Function):
                 value: torch.Tensor):
         out, lse = _forward(call, query, key, value, mod, sinks)
         ctx.call, ctx.mod, ctx.sinks = call, mod, sinks
-        ctx.mod_values = getattr(mod, "_values", None)
+        ctx.mod_values, ctx.mod_versions = getattr(mod, "_values", None), tensor_versions(mod)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled (B, H, Sq) gradient for lse per backward
@@ -431,7 +431,7 @@ class BandChunks(torch.autograd.Function):
         if grad_out is None:
             return None, None, None, None, None, None
         call, mod = ctx.call, ctx.mod
-        check_mod_unchanged(mod, ctx.mod_values)
+        check_mod_unchanged(mod, ctx.mod_values, ctx.mod_versions)
         query, key, value, out, lse = ctx.saved_tensors
         if call.backward_ragged is not None:
             grads = call.backward_ragged.backward(query, key, value, out, lse, mod, grad_output(grad_out, out))

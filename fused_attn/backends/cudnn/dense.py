@@ -99,7 +99,7 @@ class DenseRunner:
                                               for dm, g in zip(self.dims, self.grad_strides)))
         self.scale = torch.full((1, 1, 1, 1), p.scale, dtype=torch.float32)
         self.sinks = sinks_view(p)
-        self._operand_memo: Optional[tuple] = None  # (mod, its operand cache, our operands) of the last call
+        self._memo_token = object()  # names this runner's entry in a mod's bound-operand memo (see _operands)
         operands = self._operands(spec.score_mod)
         self.bias_cast = None
         bias = None
@@ -202,9 +202,10 @@ class DenseRunner:
             ops = {f"sm:{k}": t for k, t in ops.items()}
             ops["attn_scale"] = L.attn_scale(self.bwd_lowering, mod, self.static.scale, self.scale)
             return ops
-        memo = self._operand_memo
-        if memo is not None and memo[0] is mod and memo[1] is getattr(mod, "_operands", None):
-            return dict(memo[2])
+        memos = getattr(mod, "__dict__", {}).get("_runner_operands")
+        memo = None if memos is None else memos.get(self._memo_token)
+        if memo is not None and memo[0] is getattr(mod, "_operands", None):
+            return dict(memo[1])
         ops = L.mod_operands(self.lowering, mod, has_lengths=self.padding, device=self.device)
         ops = {f"sm:{k}": t for k, t in ops.items()}
         ops["attn_scale"] = L.attn_scale(self.lowering, mod, self.static.scale, self.scale)
@@ -213,8 +214,12 @@ class DenseRunner:
             # A traced mod caches its operands (scalar inputs and tensor views: in-place tensor
             # edits show through) until its values change in place, which replaces that cache:
             # the same object with the same cache binds the same operands. Materialized operands
-            # are recomputed per call, so those mods are not memoized.
-            self._operand_memo = (mod, source, dict(ops))
+            # are recomputed per call, so those mods are not memoized. The memo lives on the mod
+            # (a few runners each): it ends with the mod, so no runner keeps a call's tensors.
+            memos = mod.__dict__.setdefault("_runner_operands", {})
+            if len(memos) >= 8:
+                memos.clear()
+            memos[self._memo_token] = (source, dict(ops))
         return ops
 
     def grad_inputs(self, mod: Any, sinks: Optional[torch.Tensor]) -> tuple:

@@ -71,21 +71,19 @@ def _normalized_band(band: Optional[Band], sq: int, skv: int) -> Optional[Tuple[
     return (lb, rb, bool(band.bottom_right))
 
 
-_SPLITS = BoundedMemo(256, "cudnn.split_additive_bias")
-
-
 def split(mod: Any) -> Tuple[Any, Any]:
     """(score part or None, bias part or None) of a traced mod (`split_additive_bias`), memoized
-    per (mod object, float values): a module's mod updated in place gets a fresh split, a repeated
-    call reuses it (and its cached operands). Other mods: (mod, None)."""
+    on the mod per float values: a module's mod updated in place gets a fresh split, a repeated
+    call reuses it (and its cached operands). The memo lives and dies with the mod (no
+    process-wide cache keeps a call's tensors). Other mods: (mod, None)."""
     if not hasattr(mod, "split_additive_bias"):
         return mod, None
-    key = (id(mod), tuple(mod.scalars().values()))
-    hit = _SPLITS.get(key)
-    if hit is not None and hit[0] is mod:
+    values = tuple(mod.scalars().values())
+    hit = mod.__dict__.get("_split_memo")
+    if hit is not None and hit[0] == values:
         return hit[1]
     parts = mod.split_additive_bias()
-    _SPLITS.put(key, (mod, parts))
+    mod.__dict__["_split_memo"] = (values, parts)
     return parts
 
 
