@@ -132,7 +132,9 @@ class DenseRunner:
         bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **common) if p.needs_grad else None
         self.kv_pad, bwd_lowering = 0, None
         if (p.needs_grad and not self.padding and skv % 128 == 64 and (self.has_mod or bias is not None)
-                and quirks.applies("nan_dq_kv_64_mod_128", version)):
+                and (quirks.applies("nan_dq_kv_64_mod_128", version)
+                     or (self.has_mod and bias is not None
+                         and quirks.applies("nan_dq_kv_64_mod_128_score_mod_bias", version)))):
             bwd_key, bwd_lowering = self._padded_backward(common, bias_desc, version)
         self.quirks = _shaping_quirks(version, self.has_mod, self.kv_pad, self.lowering.band is not None
                                       or spec.band is not None)
@@ -154,6 +156,7 @@ class DenseRunner:
         if self.into is not None and self.into.grads[0] is not None:
             raise Refusal("a caller-owned dQ layout with the padded-key backward (keys 64 mod 128)")
         if self.lowering.bias is not None and self.has_mod:
+            quirk = quirks.QUIRKS["nan_dq_kv_64_mod_128_score_mod_bias"]
             raise Refusal(quirk.refusal(version, "a key length 64 mod 128 with a bias next to a score_mod (the "
                                                  "padded-key backward with a score_mod and a bias input crashes the "
                                                  "planner)"))

@@ -9,7 +9,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from . import band_chunks, make_runner, refusal, saved_shape, version
+from .. import cudnn as package  # its functions looked up per call (tests stand in for them)
+from . import band_chunks, version
 
 __all__ = ["ENGINE", "CudnnEngine"]
 
@@ -25,13 +26,13 @@ class CudnnEngine:
         return version.unavailable_reason()
 
     def refusal(self, problem: Any) -> Optional[str]:
-        return refusal(problem)
+        return package.refusal(problem)
 
     def make_runner(self, problem: Any) -> Any:
-        return make_runner(problem)
+        return package.make_runner(problem)
 
     def saved_shape(self, problem: Any, query_rows: int) -> Tuple[int, ...]:
-        return saved_shape(problem, query_rows)
+        return package.saved_shape(problem, query_rows)
 
     def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor:
         """The tensor the compiled op hands its backward: a copy of the forward's fp32 Stats."""

@@ -101,6 +101,12 @@ QUIRKS: Dict[str, Quirk] = {q.name: q for q in (
        "alone); refusal where that padded form crashes the planner (a bias next to a score_mod, a score_mod "
        "without a causal mask, one that folds q_len / kv_len)",
        "pad the keys to a multiple of 128, or use backend='reference'"),
+    _q("nan_dq_kv_64_mod_128_score_mod_bias",
+       "writes NaN into dQ at key lengths 64 mod 128 when a score_mod callback and cuDNN's bias input meet in "
+       "one graph and a row's log-sum-exp is below about -88.7",
+       91900, None, "H200, cuDNN 9.27.0 (a -200 bias on some rows with softcap, Skv 576); 9.19 as the entry above",
+       "refusal (the padded-key backward with a score_mod and a bias input crashes the 9.19 planner)",
+       "pad the keys to a multiple of 128, or use backend='reference'"),
     _q("ragged_sink_backward",
        "reads out of bounds in a ragged (thd) backward with a sink token (its dot(dO, O) pre-pass)",
        91900, 92600, "upstream report, fixed in 9.26; declined by 9.19's planner",
@@ -138,7 +144,8 @@ QUIRKS: Dict[str, Quirk] = {q.name: q for q in (
     _q("ragged_key_tail_next_to_score_mod",
        "does not mask keys past each sequence's length in ragged graphs next to a score_mod (outputs off by "
        "O(1) wherever a sequence's key count leaves a partial tile), and no mask in the callback can bound them",
-       91900, 92700, "H200, cuDNN 9.19 (softcap without a mask); the plain ragged graph is exact on 9.27.0",
+       91900, None, "H200, cuDNN 9.19 (softcap without a mask); on 9.27.0 that case is exact, but a window over "
+       "separate query and key lengths (queries past the keys) still gives wrong rows",
        "workaround: such packed calls run as a zero-padded dense batch with the lengths in the bias input, or "
        "under a top-left causal band over one cu_seqlens tensor; refusal where neither serves",
        "use a causal mask over one cu_seqlens tensor, or backend='reference'"),

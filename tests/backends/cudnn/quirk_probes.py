@@ -76,6 +76,19 @@ def nan_dq_kv_64_mod_128() -> str:
     return _compare(call, t, torch.bfloat16, grad=True)
 
 
+def nan_dq_kv_64_mod_128_score_mod_bias() -> str:
+    sq, skv, h = 128, 576, 2
+    bias = torch.zeros(1, h, sq, skv, dtype=torch.float64)
+    bias[:, :, ::2] = -200.0
+    t = [_rand(1, sq, h, 64, seed=1), _rand(1, skv, h, 64, seed=2), _rand(1, skv, h, 64, seed=3)]
+
+    def call(q, k, v, backend, extra):
+        mod = sm.compose(sm.softcap(30.0), sm.post_scale_bias(bias.to(DEV, q.dtype)))
+        return fused_attn.dot_product_attention(q, k, v, score_mod=mod, backend=backend)
+
+    return _compare(call, t, torch.bfloat16, grad=True)
+
+
 def ragged_sink_backward() -> str:
     h, d = 2, 64
     cu = torch.tensor([0, 37, 37, 160], dtype=torch.int32, device=DEV)
@@ -154,11 +167,40 @@ def dbias_next_to_score_mod() -> str:
 
 
 def ragged_key_tail_next_to_score_mod() -> str:
-    cu = torch.tensor([0, 37, 100, 290], dtype=torch.int32, device=DEV)
-    t = [_rand(290, 2, 64, seed=i) for i in range(3)]
-    return _compare(lambda q, k, v, backend, extra: fused_attn.dot_product_attention(
-        q, k, v, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, score_mod=sm.softcap(20.0), backend=backend),
-        t, torch.bfloat16, grad=True)
+    """A padded dense batch run as packed sequences (its plain ragged graph): a window over
+    separate query and key lengths with more queries than keys (rows with no key at all: their
+    lse must be -inf and their output 0)."""
+    lens_q, lens_kv = [37, 192, 100], [5, 192, 77]
+    cu_q, cu_kv = (torch.tensor([0] + [sum(n[:i + 1]) for i in range(3)], dtype=torch.int32, device=DEV)
+                   for n in (lens_q, lens_kv))
+    t = [_rand(3, 192, 2, 64, seed=i) for i in range(3)]
+
+    def call(q, k, v, backend, extra):
+        out, lse = fused_attn.dot_product_attention(
+            q, k, v, attn_mask_type="padding", window_size=(24, 24), cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+            score_mod=sm.softcap(20.0), backend=backend, return_lse=True)
+        rows = torch.cat([lse[i, :, :n] for i, n in enumerate(lens_q)], dim=-1)
+        empty = torch.isinf(rows)
+        if backend == "cudnn":
+            want = torch.isinf(call_reference_lse(q, k, v))
+            if not torch.equal(empty, want):
+                raise _LseMismatch(f"{int((empty != want).sum())} rows' lse disagree on having no key")
+        return out
+
+    def call_reference_lse(q, k, v):
+        _, lse = fused_attn.dot_product_attention(
+            q.double(), k.double(), v.double(), attn_mask_type="padding", window_size=(24, 24), cu_seqlens_q=cu_q,
+            cu_seqlens_kv=cu_kv, score_mod=sm.softcap(20.0), backend="reference", return_lse=True)
+        return torch.cat([lse[i, :, :n] for i, n in enumerate(lens_q)], dim=-1)
+
+    try:
+        return _compare(call, t, torch.bfloat16, grad=True)
+    except _LseMismatch as exc:
+        return f"wrong: {exc}"
+
+
+class _LseMismatch(Exception):
+    pass
 
 
 def irregular_mask_backward() -> str:
@@ -214,13 +256,14 @@ def band_next_to_score_mod() -> str:
 
 
 PROBES: Dict[str, Callable[[], str]] = {f.__name__: f for f in (
-    score_reused_in_pointwise, nan_dq_kv_64_mod_128, ragged_sink_backward, sq1_skv1_backward,
+    score_reused_in_pointwise, nan_dq_kv_64_mod_128, nan_dq_kv_64_mod_128_score_mod_bias, ragged_sink_backward, sq1_skv1_backward,
     kv_broadcast_operand_backward, batch_broadcast_operand, ragged_batch_operand, dbias_next_to_score_mod,
     ragged_key_tail_next_to_score_mod, irregular_mask_backward, band_next_to_score_mod)}
 
 
 #: entries a probe lifts besides its own (a document mask's ids[kv_idx] is also a key-axis view)
-ALSO_LIFTED = {"irregular_mask_backward": ("kv_broadcast_operand_backward",)}
+ALSO_LIFTED = {"irregular_mask_backward": ("kv_broadcast_operand_backward",),
+               "nan_dq_kv_64_mod_128_score_mod_bias": ("nan_dq_kv_64_mod_128",)}
 
 
 def main(name: str) -> Optional[str]:

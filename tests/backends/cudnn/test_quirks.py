@@ -21,8 +21,7 @@ def test_lookup_by_version():
     assert not fixed_926 & set(quirks.active(V927))
     assert "score_reused_in_pointwise" not in quirks.active(V919)  # a regression: 9.19 measured right
     assert "score_reused_in_pointwise" in quirks.active(V927)
-    assert "ragged_key_tail_next_to_score_mod" in quirks.active(V926)  # measured right on 9.27 only
-    assert "ragged_key_tail_next_to_score_mod" not in quirks.active(V927)
+    assert "nan_dq_kv_64_mod_128_score_mod_bias" in quirks.active(V927)  # the score_mod + bias form stays
     # an untested newer version keeps every open entry; an unknown one (0) keeps all of them
     open_entries = {n for n, q in quirks.QUIRKS.items() if q.fixed_in is None}
     assert set(quirks.active(V930)) == open_entries
