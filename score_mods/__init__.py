@@ -15,7 +15,7 @@ from .library import (
     alibi, alibi_slopes, and_masks, causal, causal_bottom_right, compose, document_mask, or_masks, padding_mask,
     post_scale_bias, sliding_window, softcap,
 )
-from .materialization import materialize
+from .bias import materialize
 from .parts import Trainable
 from .raw import RawCallbackMod, add_release_listener, as_score_mod, raw_callback, remove_release_listener
 

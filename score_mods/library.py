@@ -24,23 +24,20 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from . import expr
+from . import bands, expr
+from .bands import band_of  # noqa: F401 - re-exported
 from .base import ScoreMod
 from .expr import Node, TensorParam, kv_len, q_len, tanh, where
+from .origins import origin_named
 from .templates import template
-from .trace import TracedMod, _fmt, mask_mod, mask_root, origin_named, score_mod
+from .trace import TracedMod, mask_mod, score_mod
+from .tracing import _fmt, mask_root
 
 _NEG_INF = -math.inf
 
 
-@score_mod(name="causal")
-def _causal(score, b, h, q_idx, kv_idx):
-    return where(kv_idx <= q_idx, score, _NEG_INF)
-
-
-@score_mod(name="causal_bottom_right")
-def _causal_br(score, b, h, q_idx, kv_idx):
-    return where(kv_idx <= q_idx + kv_len() - q_len(), score, _NEG_INF)
+_causal = score_mod(bands.causal, name="causal")
+_causal_br = score_mod(bands.causal_bottom_right, name="causal_bottom_right")
 
 
 @score_mod(name="softcap")
@@ -103,15 +100,6 @@ def causal() -> TracedMod:
 def causal_bottom_right() -> TracedMod:
     """Bottom-right causal mask: j <= i + kv_len - q_len (the last query sees every key)."""
     return _causal_br
-
-
-def band_of(root: Any) -> Optional[Tuple[Optional[int], int, bool]]:
-    """The native band (left, right, bottom_right) an expression graph is exactly equal to
-    (structurally: the library's causal masks), or None."""
-    for mod, band in ((_causal, (None, 0, False)), (_causal_br, (None, 0, True))):
-        if root == mod.root:
-            return band
-    return None
 
 
 def padding_mask() -> TracedMod:

@@ -2,9 +2,10 @@
 
 `operands(plan, mod, dims, device)` evaluates each `lower_cudnn.Materialized` of a plan on the
 (B, H, Sq, Skv) grid with the eager evaluator (exact torch integer semantics), as an fp32
-tensor of its broadcast shape (B|1, H|1, Sq|1, Skv|1) (conditions as 0/1). `materialize(part,
-dims)` does the same for a whole score-free mod part, e.g. the additive bias of
-`TracedMod.split_additive_bias`, which the backend feeds to cuDNN's bias input.
+tensor of its broadcast shape (B|1, H|1, Sq|1, Skv|1) (conditions as 0/1). `evaluate_cached`
+serves `score_mods.materialize(part, dims)` (bias.py), which does the same for a whole
+score-free mod part, e.g. the additive bias of `TracedMod.split_additive_bias`, which the
+backend feeds to cuDNN's bias input.
 
 Caching: results are kept in one bounded, thread-safe LRU memo keyed by (subexpression
 structure, dims, device, dtype, the exact values of the scalar parameters it reads, and the
@@ -27,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from . import eager
-from .expr import INDEX_AXES, Node, leaves, reads, topo_order
+from .expr import INDEX_AXES, Node, reads
 
 #: Bounds of the memo: entries, and bytes of tensors held (dense operands can be large).
 MAX_ENTRIES = 64
@@ -177,34 +178,3 @@ def operands(plan: Any, mod: Any, dims: Any, device: Any = None) -> Dict[str, to
     params.update(tensors)
     dev = default_device(tensors, device)
     return {name: evaluate_cached(m.node, dims, dev, torch.float32, params, m.axes) for name, m in plan.materialized.items()}
-
-
-def materialize(part: Any, dims: Any, *, device: Any = None, dtype: torch.dtype = torch.float32,
-                dense: bool = True) -> torch.Tensor:
-    """The value of a score-free TracedMod part as a tensor: g for a part `score + g` (the
-    bias part of `split_additive_bias`), else the part at score = 0 (a mask gives 0 / -inf).
-
-    Shape (B|1, H|1, Sq, Skv) when dense (what cuDNN's bias input takes), else the broadcast
-    shape of the axes the value depends on. Computed with autograd when a tensor parameter
-    requires grad (feed cuDNN's dBias back with `value.backward(dbias)`), memoized otherwise.
-    """
-    from .trace import TracedMod
-
-    if not isinstance(part, TracedMod):
-        raise TypeError(f"materialize() takes a TracedMod part, got {type(part).__name__}")
-    dims = check_dims(dims, f"materialize({part.name!r})")
-    root = part.root
-    node = root.args[1] if root.op == "add" and root.args[0].op == "score" else root
-    if leaves(node, "score"):
-        node = _at_zero_score(node)
-    params = dict(part.scalars_typed())
-    tensors = part.tensors()
-    params.update(tensors)
-    axes = reads(node).axes
-    return evaluate_cached(node, dims, default_device(tensors, device), dtype, params, axes, dense)
-
-
-def _at_zero_score(node: Node) -> Node:
-    from .expr import const, substitute
-
-    return substitute(node, lambda n, args: const(0.0) if n.op == "score" else None)

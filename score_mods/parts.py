@@ -1,21 +1,22 @@
-"""Structural views of a traced mod: its outer masks, its additive bias, its trainable tables.
+"""Structural views of a traced mod's DAG: its outer masks, its additive bias, its trainable tables.
 
-`split_additive_bias(mod)` finds the learned/positional bias a backend can hand to cuDNN's own
-bias input (which the frontend adds AFTER the score_mod callback and differentiates: dBias):
+`additive_bias(root)` finds the learned/positional bias a backend can hand to cuDNN's own bias
+input (which the frontend adds AFTER the score_mod callback and differentiates: dBias):
 
     mod(s) = masks( f(s) + g )      g score-free, reading tensor parameters or index arithmetic
            = masks( f(s) ) + g      (masks commute with adding a finite g: -inf + g = -inf)
 
-so `score_part` is the mod without g and `bias_part` is the mod `score + g`; materialize it with
-`score_mods.materialize(bias_part, dims)` (autograd flows to the tables) and feed the tensor
-to cuDNN's bias. Scalar-only terms (+ cap, + 1.0) stay in the score part.
+so the score part is the mod without g and the bias part is the mod `score + g`
+(`TracedMod.split_additive_bias` makes both mods); materialize the bias part with
+`score_mods.materialize(bias_part, dims)` (autograd flows to the tables) and feed the tensor to
+cuDNN's bias. Scalar-only terms (+ cap, + 1.0) stay in the score part.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .expr import Node, const, topo_order
 
@@ -87,55 +88,51 @@ def _is_bias_term(n: Node) -> bool:
     return "score" not in ops and bool(ops & {"index", "gather"})
 
 
-def _part(mod, root: Node, suffix: str):
-    from .trace import TracedMod
-
-    used = {x.attr for x in topo_order(root) if x.op in ("param", "gather")}
-    specs = {p: s for p, s in mod.specs.items() if p in used}
-    values = {p: v for p, v in mod._values.items() if p in used}
-    return TracedMod(f"{mod.name}_{suffix}", root, specs, values)
-
-
-def split_additive_bias(mod) -> Tuple[Optional[object], Optional[object]]:
-    """(score_part, bias_part) such that mod(s) == score_part(s) + g everywhere (g finite), with
-    bias_part the TracedMod `score + g`. (mod, None) when there is no such g; score_part is None
-    when what remains is the bare score (cuDNN then needs no score_mod, only the bias)."""
-    chain, inner = mask_chain(mod.root)
+def additive_bias(root: Node) -> Optional[Tuple[Optional[Node], Node]]:
+    """(score root, bias root) with mod(s) == score(s) + g everywhere (g finite), the bias root
+    being `score + g`; the score root is None when what remains is the bare score (cuDNN then
+    needs no score_mod, only the bias). None when there is no such g."""
+    chain, inner = mask_chain(root)
     terms: List[Tuple[float, Node]] = []
     _terms(inner, 1.0, terms)
     bias = [(s, n) for s, n in terms if _is_bias_term(n)]
     if not bias:
-        return mod, None
+        return None
     rest = [(s, n) for s, n in terms if not _is_bias_term(n) and not (n.op == "const" and n.attr == 0)]
     g = _sum(bias)
     if g.dtype != "f":
         g = Node("add", (g, const(0.0)), dtype="f")
-    bias_part = _part(mod, Node("add", (Node("score"), g)), "bias")
+    bias_root = Node("add", (Node("score"), g))
     f = _sum(rest) if rest else const(0.0)
     if f.dtype != "f":
         f = Node("add", (f, const(0.0)), dtype="f")
     if not chain and f.op == "score":
-        return None, bias_part
-    score_part = _part(mod, rebuild_chain(chain, f), "score")
-    from .library import band_of
-
-    band = band_of(score_part.root)
-    if band is not None:  # a causal mask around the score: the backend's own band, not a score_mod
-        score_part.native_band = band
-    return score_part, bias_part
+        return None, bias_root
+    return rebuild_chain(chain, f), bias_root
 
 
-def trainable(mod) -> Dict[str, Trainable]:
-    """For every tensor parameter: whether it is floating (may require grad) and whether it
-    enters only through the additive bias (so cuDNN can train it through dBias). Parameters
-    read anywhere else get gradients only from the reference backend."""
-    score_part, bias_part = split_additive_bias(mod)
+def trainable_facts(specs: Dict[str, Any], score_root: Optional[Node],
+                    bias_root: Optional[Node]) -> Dict[str, Trainable]:
+    """For every tensor parameter in `specs`: whether it is floating (may require grad) and whether
+    it enters only through the bias root (so cuDNN can train it through dBias), given the roots
+    of a mod's score and bias parts (None: no such part). Parameters read anywhere else get
+    gradients only from the reference backend."""
 
-    def names(part) -> set:
-        return set() if part is None else {x.attr for x in topo_order(part.root) if x.op == "gather"}
+    def names(root: Optional[Node]) -> set:
+        return set() if root is None else {x.attr for x in topo_order(root) if x.op == "gather"}
 
-    in_score, in_bias = names(score_part), names(bias_part)
+    in_score, in_bias = names(score_root), names(bias_root)
     return {
         p: Trainable(floating=s.tkind == "float", bias_only=p in in_bias and p not in in_score)
-        for p, s in mod.specs.items() if s.kind == "tensor"
+        for p, s in specs.items() if s.kind == "tensor"
     }
+
+
+def split_additive_bias(mod: Any) -> Tuple[Optional[Any], Optional[Any]]:
+    """`mod.split_additive_bias()` for a TracedMod `mod`: (score_part, bias_part) over `additive_bias`."""
+    return mod.split_additive_bias()
+
+
+def trainable(mod: Any) -> Dict[str, Trainable]:
+    """`mod.trainable()` for a TracedMod `mod`: `trainable_facts` of its split."""
+    return mod.trainable()
