@@ -24,295 +24,25 @@ torch.compile's recompile limit (it then runs uncompiled) says so in its note.
 
 The data is learnable: each token is followed by one of 4 fixed random successors, so the loss
 falls from ln(32000) = 10.4 towards ln(4) = 1.39 as the model learns the table.
+
+This module runs the suite; the models and data come from `model_setup`, the logits check and
+the training runs from `model_training`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
-import inspect
-import logging
-import math
-import statistics
-import time
-import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from .model_setup import FAMILIES, MarkovTokens, attention_features, build_model, model_config  # noqa: F401
+from .model_training import (DYNAMO_LOGGER, _fill_gpu_ms, _free, _guarded_run, check_logits,  # noqa: F401
+                             gpu_ms_per_step, recompile_limit_hits, train_run)
 from .runner import SuiteResult
 
-FAMILIES = ("llama", "gemma2", "qwen2", "gpt_oss")
 BENCH_FAMILIES = ("llama", "gemma2", "gpt_oss")
 IMPLS = ("fused_attn", "sdpa", "flex_attention", "eager")
-
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256, initializer_range=0.2)
-_BENCH = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-              num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=8192,
-              initializer_range=0.02)
-
-
-# ----------------------------------------------------------------------------- configurations
-
-def model_config(family: str, size: str = "bench", window: Optional[int] = None, **overrides):
-    """A transformers config of `family` ("llama", "gemma2", "qwen2", "gpt_oss").
-
-    size "tiny" (tests: 2 layers, hidden 64, 4/2 heads of dim 16, vocab 128, windows of 4 tokens,
-    Gemma 2 softcap 5, initializer_range 0.2 so that attention, softcap and sinks matter) or
-    "bench" (8 layers, hidden 1024, 16/4 heads of dim 64, vocab 32000; windows: Gemma 2 and
-    Qwen 2 1024, gpt-oss 128). window: the sliding window (not Llama); overrides: config fields.
-    """
-    import transformers as tf
-
-    tiny = size == "tiny"
-    kw = dict(_TINY if tiny else _BENCH)
-    kw.update(overrides)
-    extra: Dict[str, object] = {}
-    if family == "llama":
-        cls = tf.LlamaConfig
-    elif family == "qwen2":
-        cls = tf.Qwen2Config
-        extra = dict(use_sliding_window=True, sliding_window=window or (4 if tiny else 1024), max_window_layers=1)
-    elif family == "gemma2":
-        cls = tf.Gemma2Config
-        extra = dict(sliding_window=window or (4 if tiny else 1024), query_pre_attn_scalar=kw["head_dim"],
-                     attn_logit_softcapping=5.0 if tiny else 50.0, final_logit_softcapping=30.0)
-    elif family == "gpt_oss":
-        cls = tf.GptOssConfig
-        extra = dict(sliding_window=window or (4 if tiny else 128), num_local_experts=4, num_experts_per_tok=2,
-                     intermediate_size=32 if tiny else 1408)
-    else:
-        raise ValueError(f"unknown model family {family!r}; choose from {FAMILIES}")
-    for name, value in extra.items():
-        if name not in overrides:
-            kw[name] = value
-    return cls(**kw)
-
-
-def build_model(config, attn_implementation: str = "eager", *, dtype: torch.dtype = torch.float32,
-                device: Optional[torch.device] = None, seed: int = 0):
-    """A randomly initialised causal LM for `config` (seeded), in `dtype` on `device`."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    extra = {}
-    if config.model_type == "gpt_oss":
-        # transformers' grouped_mm experts on CUDA (its default): GPU-bound steps, so the attention
-        # implementations compare stably. Measured on H200 with transformers 5.17 (B4 S2048): the
-        # backward of grouped_mm's token gather takes 122 of the step's 170 ms of GPU time; the
-        # per-expert loop ("eager") needs 47 ms of GPU, but its ~140-170 host syncs per step (one
-        # per expert hit) make the step host-bound (wall ~95-120 ms) and the implementations' ratios
-        # swing 0.75x-1.24x between runs. grouped_mm has no float64 / CPU path: eager there.
-        extra["experts_implementation"] = "eager" if dtype == torch.float64 or device is None or \
-            torch.device(device).type != "cuda" else "grouped_mm"
-    with torch.device(device or "cpu"):
-        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, **extra)
-    return model.to(dtype)
-
-
-def attention_features(impl: str, family: str) -> str:
-    """Whether `impl`'s transformers attention function takes the model's real attention
-    arguments (softcap for Gemma 2, s_aux sinks for gpt-oss): read from its signature."""
-    want = {"gemma2": "softcap", "gpt_oss": "s_aux"}.get(family)
-    if want is None:
-        return "-"
-    label = {"softcap": "softcap", "s_aux": "sinks"}[want]
-    if impl == "eager":
-        return f"{label} applied"
-    from transformers import AttentionInterface
-
-    fn = AttentionInterface._global_mapping.get(impl)
-    if fn is None:
-        return "?"
-    params = inspect.signature(fn).parameters
-    return f"{label} applied" if want in params else f"{label} IGNORED (no {want} argument)"
-
-
-# ----------------------------------------------------------------------------- data
-
-class MarkovTokens:
-    """Token streams where each token is followed by one of `branch` fixed random successors."""
-
-    def __init__(self, vocab: int, seed: int = 0, branch: int = 4) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-        self.table = torch.randint(0, vocab, (vocab, branch), generator=self.gen)
-        self.vocab, self.branch = vocab, branch
-
-    def sample(self, batch: int, length: int) -> torch.Tensor:
-        out = torch.empty(batch, length, dtype=torch.long)
-        out[:, 0] = torch.randint(0, self.vocab, (batch,), generator=self.gen)
-        pick = torch.randint(0, self.branch, (batch, length), generator=self.gen)
-        for t in range(1, length):
-            out[:, t] = self.table[out[:, t - 1], pick[:, t]]
-        return out
-
-    def dense_batch(self, batch: int, length: int, device) -> Dict[str, torch.Tensor]:
-        ids = self.sample(batch, length).to(device)
-        return {"input_ids": ids, "labels": ids}
-
-    def packed_batch(self, total: int, min_len: int, max_len: int, device) -> Dict[str, object]:
-        """One row of `total` tokens: documents of random lengths, flattened as
-        DataCollatorWithFlattening(return_flash_attn_kwargs=True) does."""
-        from transformers import DataCollatorWithFlattening
-
-        lengths, left = [], total
-        while left > 0:
-            n = min(left, int(torch.randint(min_len, max_len + 1, (1,), generator=self.gen)))
-            lengths.append(n)
-            left -= n
-        feats = [{"input_ids": self.sample(1, n)[0].tolist()} for n in lengths]
-        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(feats)
-        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-# ----------------------------------------------------------------------------- correctness
-
-def check_logits(model, impls: Sequence[str], batch: Dict[str, object], family: str) -> Dict[str, Tuple[str, bool]]:
-    """Per impl: (text, ok) comparing its logits (model's dtype) with eager on an fp32 copy,
-    bound = 2 x |eager in the model's dtype - exact| + 4e-3 x max(1, max|exact|) on real tokens."""
-    from fused_attn.testing import bound_from, max_error
-
-    exact_model = copy.deepcopy(model).float()
-    exact = _logits(exact_model, "eager", batch)
-    del exact_model
-    base = _logits(model, "eager", batch)
-    bound = bound_from(base, exact, base.dtype, floor=4e-3)
-    out: Dict[str, Tuple[str, bool]] = {}
-    for impl in impls:
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                got = _logits(model, impl, batch)
-        except Exception as exc:  # the impl cannot run this model: reported in its rows
-            out[impl] = (f"unsupported: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}",
-                         False)
-            continue
-        err = max_error(got, exact)
-        text = f"{'ok' if err <= bound else 'WRONG'} {err:.2e} (bound {bound:.2e})"
-        if any(w.category.__name__ == "FallbackWarning" for w in caught):
-            text += "; ran on the reference backend (FallbackWarning)"
-        out[impl] = (text, err <= bound)
-    return out
-
-
-def _logits(model, impl: str, batch: Dict[str, object]) -> torch.Tensor:
-    model.set_attn_implementation(impl)
-    model.eval()
-    with torch.no_grad():
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        return model(**inputs, use_cache=False).logits.float()
-
-
-# ----------------------------------------------------------------------------- training runs
-
-def train_run(model, impl: str, batches: Sequence[Dict[str, object]], init_state: Dict[str, torch.Tensor],
-              warmup: int, device: torch.device) -> Dict[str, object]:
-    """Train from `init_state` on `batches` with `impl`: losses, median step ms after `warmup`
-    steps, peak memory, and whether a FallbackWarning was raised. Raises what the impl raises."""
-    model.load_state_dict(init_state)
-    model.set_attn_implementation(impl)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0,
-                            fused=device.type == "cuda")
-    losses, times = [], []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    try:
-        with warnings.catch_warnings(record=True) as caught, recompile_limit_hits() as limit_hits:
-            warnings.simplefilter("always")
-            for i, batch in enumerate(batches):
-                t0 = time.perf_counter()
-                _train_step(model, opt, batch, losses)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if i >= warmup:
-                    times.append((time.perf_counter() - t0) * 1e3)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    finally:
-        del opt
-    return {"losses": [float(x) for x in losses], "step_ms": statistics.median(times) if times else None,
-            "peak_gb": peak, "fallback": any(w.category.__name__ == "FallbackWarning" for w in caught),
-            "uncompiled": bool(limit_hits)}
-
-
-#: The logger through which torch.compile reports a function that hit its recompile limit (the
-#: function then runs uncompiled: for flex_attention, the whole score matrix materialised).
-DYNAMO_LOGGER = "torch._dynamo.convert_frame"
-
-
-class _Collect(logging.Handler):
-    def __init__(self, hits: List[str]) -> None:
-        super().__init__(logging.WARNING)
-        self.hits = hits
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "recompile_limit" in message or "cache_size_limit" in message:
-            self.hits.append(message.splitlines()[0])
-
-
-@contextlib.contextmanager
-def recompile_limit_hits():
-    """A list that collects torch.compile's "hit config.recompile_limit" reports inside the block."""
-    hits: List[str] = []
-    handler = _Collect(hits)
-    logger = logging.getLogger(DYNAMO_LOGGER)
-    logger.addHandler(handler)
-    try:
-        yield hits
-    finally:
-        logger.removeHandler(handler)
-
-
-def _train_step(model, opt, batch: Dict[str, object], losses: List[torch.Tensor]) -> None:
-    loss = model(**batch, use_cache=False).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    losses.append(loss.detach())
-
-
-def _guarded_run(model, impl: str, batches: Sequence[Dict[str, object]], init_state: Dict[str, torch.Tensor],
-                 warmup: int, device: torch.device) -> Tuple[Optional[Dict[str, object]], Optional[str]]:
-    """train_run, or (None, why) when the impl runs out of memory or fails; frees cached memory."""
-    try:
-        return train_run(model, impl, batches, init_state, warmup, device), None
-    except torch.cuda.OutOfMemoryError:
-        return None, "OOM"
-    except Exception as exc:
-        return None, f"FAILED: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-    finally:
-        _free(device)
-
-
-def gpu_ms_per_step(model, impl: str, batches: Sequence[Dict[str, object]], init_state: Dict[str, torch.Tensor],
-                    device: torch.device, profiled: int = 3) -> float:
-    """Device kernel ms per training step of `impl` (a torch.profiler pass over the last `profiled`
-    batches after the others warmed up): what the step costs the GPU, host gaps excluded."""
-    from .steps import profile_steps
-
-    model.load_state_dict(init_state)
-    model.set_attn_implementation(impl)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-    losses: List[torch.Tensor] = []
-    try:
-        for batch in batches[:-profiled]:
-            _train_step(model, opt, batch, losses)
-        return profile_steps(lambda batch: _train_step(model, opt, batch, losses), batches[-profiled:],
-                             device)["gpu_ms_per_step"]
-    finally:
-        del opt
-        _free(device)
-
-
-def _fill_gpu_ms(row: Dict[str, object], model, impl: str, batches: Sequence[Dict[str, object]],
-                 init_state: Dict[str, torch.Tensor], device: torch.device) -> None:
-    """A deferred profiler pass (`SuiteResult.defer_profile`): the row's gpu_ms."""
-    row["gpu_ms"] = gpu_ms_per_step(model, impl, batches, init_state, device)
 
 
 def _tokens(batch: Dict[str, object]) -> int:
@@ -431,11 +161,6 @@ def loss_rows(family: str, label: str, curves: Dict[str, List[float]], every: in
     steps = sorted(set(list(range(0, n, every)) + [n - 1]))
     return [{"suite": "models_loss", "model": family, "batch": label, "step": i,
              **{impl: (v[i] if i < len(v) else None) for impl, v in curves.items()}} for i in steps]
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run(quick: bool, device: torch.device, families: Sequence[str] = BENCH_FAMILIES) -> SuiteResult:

@@ -24,6 +24,7 @@ import torch
 
 from .common import check_tensor, reference_and_bounds
 from .host import FLOOR, EmptyAutogradFunction
+from .packed import cu_seqlens, packed_tensors, reference_packed
 from .runner import SuiteResult
 
 N, MAX_LEN, H, D = 8, 2048, 16, 64
@@ -63,10 +64,8 @@ class BareRaggedFunction(torch.autograd.Function):
 
 def check_bare(raw, device, causal: bool) -> None:
     """BareRaggedFunction vs the float64 reference on one small packed batch (raises if wrong)."""
-    from .varlen import _packed, cu_seqlens, reference_packed
-
     lengths = [64, 320, 0, 128, 192, 64, 256, 448][:raw.dims[0]]
-    q, k, v, do = _packed(sum(lengths), raw.dims[1], raw.dims[3], device, seed=3)
+    q, k, v, do = packed_tensors(sum(lengths), raw.dims[1], raw.dims[3], device, seed=3)
     expected, bounds = reference_and_bounds(lambda dt: reference_packed(q, k, v, do, lengths, causal, dt), q.dtype)
     out = BareRaggedFunction.apply(raw, q, k, v, cu_seqlens(lengths, device))
     got = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), do)), out=out.detach())

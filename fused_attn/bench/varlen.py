@@ -8,57 +8,17 @@ FLOPs count real tokens only: sum_i 4*H*D*s_i^2 (half for causal).
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .common import Impl, check_impl, naive_attention, reference_and_bounds, synchronize, varlen_flops
+from .common import Impl, check_impl, reference_and_bounds, synchronize, varlen_flops
+from .packed import cu_seqlens, packed_tensors, random_lengths, reference_packed
 from .runner import SuiteResult, run_config
 
 N, MAX_LEN, H = 8, 2048, 16
-
-
-def random_lengths(n: int, max_len: int, multiple: int, seed: int) -> List[int]:
-    """n lengths, multiples of `multiple` in [multiple, max_len], from a seeded generator."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(1, max_len // multiple + 1, (n,), generator=gen) * multiple).tolist()
-
-
-def cu_seqlens(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
-    """(N+1,) int32 cumulative offsets starting at 0."""
-    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
-
-
-def _packed(total: int, h: int, d: int, device, seed: int):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ts = [torch.randn(total, h, d, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
-    return [t.requires_grad_() for t in ts[:3]] + [ts[3]]
-
-
-def reference_packed(q, k, v, do, lengths: Sequence[int], causal: bool, dtype, *,
-                     lengths_kv: Optional[Sequence[int]] = None,
-                     score_fn: Optional[Callable[..., torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
-    """Naive attention per sequence on packed (T, H, D) tensors (T = sum(lengths)): out, dq, dk, dv
-    (T, H, D) in `dtype`, one sequence at a time (so memory follows the longest sequence).
-    lengths_kv: the key lengths where they differ from the query lengths (causal is then
-    bottom-right per sequence: query i attends keys j <= i + kv_len - q_len); score_fn: a
-    score_mod in `naive_attention`'s form."""
-    parts: Dict[str, List[torch.Tensor]] = {key: [] for key in ("out", "dq", "dk", "dv")}
-    sq = sk = 0
-    scale = 1 / math.sqrt(q.shape[-1])
-    for nq, nk in zip(lengths, lengths if lengths_kv is None else lengths_kv):
-        if nq:
-            sl = [t.detach()[a:a + n].transpose(0, 1).unsqueeze(0) for t, a, n in
-                  ((q, sq, nq), (k, sk, nk), (v, sk, nk), (do, sq, nq))]
-            mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq) if causal else None
-            res = naive_attention(*sl[:3], scale=scale, dtype=dtype, mask=mask, score_fn=score_fn, grad_out=sl[3])
-            for key, t in res.items():
-                parts[key].append(t[0].transpose(0, 1))
-        sq, sk = sq + nq, sk + nk
-    return {key: torch.cat(ts) for key, ts in parts.items()}
 
 
 def _autograd_impl(name: str, fn: Callable, ins, do, required: bool, to_packed=None, note: str = "") -> Impl:
@@ -116,7 +76,7 @@ def _varlen_impls(q, k, v, do, lengths, causal: bool, device) -> List[Impl]:
 def run_varlen_config(lengths: Sequence[int], h: int, d: int, causal: bool, device, quick: bool,
                       seed: int = 0) -> SuiteResult:
     """One packed batch: check then time fused_attn / torch varlen / padded SDPA."""
-    q, k, v, do = _packed(sum(lengths), h, d, device, seed)
+    q, k, v, do = packed_tensors(sum(lengths), h, d, device, seed)
     expected, bounds = reference_and_bounds(lambda dt: reference_packed(q, k, v, do, lengths, causal, dt), q.dtype)
     flops = {m: varlen_flops(lengths, h, d, causal=causal, mode=m) for m in ("fwd", "fwd_bwd")}
     config = f"varlen N{len(lengths)} max{max(lengths)} T{sum(lengths)} H{h} D{d}" + (" causal" if causal else "")
@@ -143,7 +103,7 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
     lengths = (doc_bounds[:, 1:] - doc_bounds[:, :-1]).flatten().tolist()
     cu_seq = doc_bounds.to(device)
     q, k, v, do = [t.view(b, s, h, d) if i == 3 else t.detach().view(b, s, h, d).requires_grad_()
-                   for i, t in enumerate(_packed(b * s, h, d, device, seed=5))]
+                   for i, t in enumerate(packed_tensors(b * s, h, d, device, seed=5))]
     flat = lambda t: t.reshape(b * s, h, d)
     expected, bounds = reference_and_bounds(
         lambda dt: reference_packed(flat(q), flat(k), flat(v), flat(do), lengths, causal, dt), q.dtype)
@@ -199,8 +159,8 @@ def run_chunked_prefill(device, quick: bool, *, n: int = N, chunk: int = 512, ma
 
     cached = random_lengths(n, max_cached, 64, seed)
     lens_q, lens_k = [chunk] * n, [chunk + c for c in cached]
-    q, _, _, do = _packed(sum(lens_q), h, d, device, seed)
-    _, k, v, _ = _packed(sum(lens_k), h, d, device, seed + 1)
+    q, _, _, do = packed_tensors(sum(lens_q), h, d, device, seed)
+    _, k, v, _ = packed_tensors(sum(lens_k), h, d, device, seed + 1)
     cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
     softcap = lambda s, b, hh, i, j: cap * torch.tanh(s / cap)
     expected, bounds = reference_and_bounds(lambda dt: reference_packed(
@@ -255,7 +215,7 @@ def run_training_loop(device, steps: int, *, n: int = N, max_len: int = MAX_LEN,
     gen = torch.Generator().manual_seed(seed)
     lens = [torch.randint(1, max_len + 1, (n,), generator=gen).tolist() for _ in range(steps)]
     cus = [cu_seqlens(x, device) for x in lens]
-    qb, kb, vb, dob = _packed(n * max_len, h, d, device, seed)
+    qb, kb, vb, dob = packed_tensors(n * max_len, h, d, device, seed)
     # correctness on the first random batch (odd lengths, not multiples of 64)
     t0 = sum(lens[0])
     ins = [t[:t0] for t in (qb, kb, vb)]
