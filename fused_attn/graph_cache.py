@@ -14,6 +14,7 @@ The cache is per process; entries of every device share it (the device index is 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
@@ -31,8 +32,11 @@ def cache_info() -> CacheInfo:
 
 
 def clear() -> None:
-    """Release every cached graph and reset the statistics."""
+    """Release every cached graph (and the torch engine's compiled flex functions) and reset the statistics."""
     GRAPH_CACHE.clear()
+    flex = sys.modules.get("fused_attn.backends.torch_flex")
+    if flex is not None:
+        flex.clear()
 
 
 def set_maxsize(maxsize: int) -> None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 QKV_FORMATS = ("bshd", "sbhd", "bhsd", "thd")
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal")
-BACKENDS = ("auto", "cudnn", "reference")
+BACKENDS = ("auto", "cudnn", "torch", "reference")
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,11 @@
 
     "reference"  the pure PyTorch backend (any device, any float dtype)
     "cudnn"      cuDNN frontend graphs; NotImplementedError with the reason if it cannot serve
-    "auto"       cuDNN for CUDA tensors when it can serve, else the reference, with the reason
-                 recorded on the plan (and a FallbackWarning for CUDA tensors, see plan.py)
+    "torch"      torch's own CPU kernels (SDPA flash, compiled flex for score_mods); NotImplementedError
+                 with the reason if it cannot serve the problem exactly
+    "auto"       cuDNN for CUDA tensors, the torch engine for CPU tensors, when they can serve; else
+                 the reference, with the reason recorded on the plan (and a FallbackWarning for CUDA
+                 tensors, see plan.py)
 
 Backend modules expose `refusal(problem, build) -> Optional[str]` (metadata only: why it cannot
 serve, or None) and `make_runner(problem) -> runner` (raises `Refusal` when, e.g., the cuDNN
@@ -17,7 +20,7 @@ from types import ModuleType
 from typing import Any, Optional, Tuple
 
 from ..plan import Refusal, StaticProblem
-from . import reference
+from . import reference, torch_sdpa
 
 __all__ = ["choose", "choose_name", "backend_module", "cudnn_available"]
 
@@ -43,9 +46,11 @@ def cudnn_available() -> bool:
 
 
 def backend_module(name: str) -> ModuleType:
-    """The backend module called `name` ("reference" or "cudnn")."""
+    """The backend module called `name` ("reference", "torch" or "cudnn")."""
     if name == "reference":
         return reference
+    if name == "torch":
+        return torch_sdpa
     mod, why = _cudnn()
     if mod is None:
         raise NotImplementedError(why)
@@ -84,7 +89,16 @@ def choose(problem: StaticProblem, build: bool = True) -> Tuple[str, str, Any]:
             raise NotImplementedError(f"backend='cudnn' cannot run this problem: {why}; use backend='reference' "
                                       "(PyTorch math) or backend='auto'")
         return "cudnn", "backend='cudnn' was requested", runner if build else None
-    if problem.device.type == "cuda":
+    if requested == "torch" or problem.device.type == "cpu":
+        why = torch_sdpa.refusal(problem)
+        if why is None:
+            reason = "backend='torch' was requested" if requested == "torch" else "the torch engine serves it (CPU)"
+            return "torch", reason, torch_sdpa.make_runner(problem) if build else None
+        if requested == "torch":
+            raise NotImplementedError(f"backend='torch' cannot run this problem: {why}; use backend='reference' "
+                                      "(PyTorch math) or backend='auto'")
+        cudnn_why = f"the torch engine cannot serve it: {why}"
+    elif problem.device.type == "cuda":
         runner, why = _try_cudnn(problem, build)
         if runner is not None:
             return "cudnn", why, runner if build else None
@@ -93,7 +107,7 @@ def choose(problem: StaticProblem, build: bool = True) -> Tuple[str, str, Any]:
         cudnn_why = f"the inputs are on {problem.device} (cuDNN needs CUDA tensors)"
     ref_why = reference.refusal(problem)
     if ref_why is not None:
-        raise NotImplementedError(f"no backend can run this problem: cudnn: {cudnn_why}; reference: {ref_why}")
+        raise NotImplementedError(f"no backend can run this problem: {cudnn_why}; reference: {ref_why}")
     return "reference", cudnn_why, reference.make_runner(problem) if build else None
 
 
