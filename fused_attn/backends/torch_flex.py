@@ -1,13 +1,16 @@
 """The torch engine's score_mod path: torch.compile'd flex_attention on CPU (inference only).
 
-One compiled function per (mod structure, integer parameter values, band, scale, GQA), kept in a
+One compiled function per (mod structure, integer parameter values, scale, GQA, dtype, shapes), kept in a
 bounded, lock-protected LRU (`FLEX_CACHE`, cleared by `fused_attn.graph_cache.clear()`). Float
 parameters and tensor parameters are inputs of the compiled function, so a new value never
-recompiles; shapes are dynamic (sizes 0/1 specialize). Each entry has its own code object, so
-torch.compile's per-function recompile limit is per entry, never shared across mods.
+recompiles; shapes are static (one entry per shape: torch 2.13's CPU flex template with dynamic
+shapes and a block mask emits C++ that does not compile), so a new shape compiles once (10-30 s on
+a small CPU). Each entry has its own code object, so torch.compile's per-function recompile limit
+never makes one entry fall back to eager because of another.
 
-The band (causal, windows) is applied inside the score function as where(allowed, score, -inf)
-after the mod, as the reference does; rows with no allowed key give out 0 (flex's convention).
+The band (causal, windows, bottom-right alignment) is a flex BlockMask (cached per band and shape in
+the same LRU): tiles no query attends are skipped, the others masked after the mod as the reference
+does; rows with no allowed key give out 0 (flex's convention).
 """
 
 from __future__ import annotations
@@ -45,22 +48,23 @@ def refusal(problem, mod: Any) -> Optional[str]:
 
 
 class _FlexCache:
-    """Bounded, thread-safe LRU of compiled flex functions."""
+    """Bounded, thread-safe LRU of compiled flex functions, band mask_mods and block masks
+    (`misses`: entries made; a reentrant lock: a block mask's maker fetches its mask_mod)."""
 
     def __init__(self, maxsize: int = 32) -> None:
         self.maxsize = maxsize
-        self._entries: "OrderedDict[Hashable, Callable]" = OrderedDict()
-        self._lock = threading.Lock()
-        self.compiles = 0
+        self._entries: "OrderedDict[Hashable, Any]" = OrderedDict()
+        self._lock = threading.RLock()
+        self.misses = 0
 
-    def get(self, key: Hashable, make: Callable[[], Callable]) -> Callable:
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
         with self._lock:
             fn = self._entries.get(key)
             if fn is not None:
                 self._entries.move_to_end(key)
                 return fn
             fn = make()
-            self.compiles += 1
+            self.misses += 1
             self._entries[key] = fn
             while len(self._entries) > self.maxsize:
                 self._entries.popitem(last=False)
@@ -82,13 +86,14 @@ def clear() -> None:
     FLEX_CACHE.clear()
 
 
-def _make_call(prog: Any, float_names: tuple, tensor_names: tuple, ints: dict, band: Any, scale: float,
-               gqa: bool, tag: int) -> Callable:
-    """A compiled (q, k, v, floats (n,) fp64, tensors) -> out (B, H, Sq, Dv) for one mod structure."""
+def _make_call(prog: Any, float_names: tuple, tensor_names: tuple, ints: dict, scale: float, gqa: bool,
+               tag: int) -> Callable:
+    """A compiled (q, k, v, floats (n,) fp64, tensors, block_mask or None) -> out (B, H, Sq, Dv)
+    for one mod structure."""
     from score_mods import eager as eager_mod
     from torch.nn.attention.flex_attention import flex_attention
 
-    def call(q, k, v, floats, tensors):
+    def call(q, k, v, floats, tensors, block_mask):
         params = dict(ints)
         for i, name in enumerate(float_names):
             params[name] = floats[i]
@@ -96,25 +101,44 @@ def _make_call(prog: Any, float_names: tuple, tensor_names: tuple, ints: dict, b
         sq, skv = q.shape[2], k.shape[2]
 
         def score_fn(score, b, h, q_idx, kv_idx):
-            s = eager_mod.run(prog, eager_mod.index_env(score, b, h, q_idx, kv_idx, sq, skv), params)
-            if band is None:
-                return s
-            d = kv_idx - q_idx
-            if band.bottom_right:
-                d = d - (skv - sq)
-            ok = None
-            if band.right is not None:
-                ok = d <= band.right
-            if band.left is not None:
-                ok = (d >= -band.left) if ok is None else ok & (d >= -band.left)
-            return torch.where(ok, s, torch.full_like(s, -math.inf))
+            return eager_mod.run(prog, eager_mod.index_env(score, b, h, q_idx, kv_idx, sq, skv), params)
 
-        return flex_attention(q, k, v, score_mod=score_fn, scale=scale, enable_gqa=gqa)
+        return flex_attention(q, k, v, score_mod=score_fn, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
     # a code object of its own: torch.compile counts recompilations per code object
     code = call.__code__.replace(co_name=f"fused_attn_flex_{tag}")
     fn = types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__, call.__closure__)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def _band_mask_mod(left: Optional[int], right: Optional[int], shift: int) -> Callable:
+    """flex mask_mod of the band -left <= kv_idx - (q_idx + shift) <= right (None: unbounded)."""
+
+    def band_mask(b, h, q_idx, kv_idx):
+        d = kv_idx - q_idx - shift
+        ok = (d <= right) if right is not None else (d == d)
+        return ok & (d >= -left) if left is not None else ok
+
+    return band_mask
+
+
+def _block_mask(band: Any, sq: int, skv: int) -> Any:
+    """The flex BlockMask of `band` at (Sq, Skv), cached (tiles with no allowed key are skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    shift = skv - sq if band.bottom_right else 0
+
+    def make():
+        mask_mod = FLEX_CACHE.get(("mask_mod", band.left, band.right, shift),
+                                  lambda: _band_mask_mod(band.left, band.right, shift))
+        return create_block_mask(mask_mod, None, None, sq, skv, device="cpu")
+
+    return FLEX_CACHE.get(("block_mask", band, sq, skv), make)
+
+
+def _float_names(mod: Any) -> tuple:
+    """The mod's float parameters (inputs of the compiled function; ints are baked in)."""
+    return tuple(n for n, spec in mod.specs.items() if spec.kind == "float")
 
 
 class FlexRunner:
@@ -135,30 +159,33 @@ class FlexRunner:
     def op_grads(self, mod: Any, sinks: Any, grads: tuple) -> list:
         return list(grads[3:])
 
-    def _compiled(self, mod: Any) -> Callable:
+    def _compiled(self, mod: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable:
         from score_mods import eager as eager_mod
 
         st = self.static
         typed = mod.scalars_typed()
-        floats = tuple(n for n, x in typed.items() if isinstance(x, float))
-        ints = {n: x for n, x in typed.items() if not isinstance(x, float)}
+        floats = _float_names(mod)
+        ints = {n: x for n, x in typed.items() if n not in floats}
         tensors = tuple(mod.tensors())
         gqa = st.heads != st.kv_heads
-        key = (mod.cache_key, tuple(sorted(ints.items())), floats, tensors, st.spec.band, st.scale, gqa)
+        shapes = tuple((tuple(t.shape), t.stride()) for t in (q, k, v))
+        params = tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in mod.tensors().items())
+        key = (mod.cache_key, tuple(sorted(ints.items())), floats, params, st.scale, gqa, q.dtype, shapes)
         prog = eager_mod.program(mod.root)
-        return FLEX_CACHE.get(key, lambda: _make_call(prog, floats, tensors, ints, st.spec.band, st.scale, gqa,
-                                                      FLEX_CACHE.compiles))
+        return FLEX_CACHE.get(key, lambda: _make_call(prog, floats, tensors, ints, st.scale, gqa, FLEX_CACHE.misses))
 
     def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None, dest=None):
-        fn = self._compiled(mod)
-        typed = mod.scalars_typed()
-        floats = torch.tensor([x for x in typed.values() if isinstance(x, float)], dtype=torch.float64)
         ql, kl, vl = (t.permute(self.perm) for t in (q, k, v))
+        fn = self._compiled(mod, ql, kl, vl)
+        typed = mod.scalars_typed()
+        floats = torch.tensor([float(typed[n]) for n in _float_names(mod)], dtype=torch.float64)
         with torch.no_grad():
             if ql.shape[2] == 0 or kl.shape[2] == 0:
                 o = ql.new_zeros(ql.shape[:3] + (vl.shape[3],))
             else:
-                o = fn(ql, kl, vl, floats, tuple(mod.tensors().values()))
+                band = self.static.spec.band
+                block = None if band is None else _block_mask(band, ql.shape[2], kl.shape[2])
+                o = fn(ql, kl, vl, floats, tuple(mod.tensors().values()), block)
             out = from_logical(o, self.fmt).contiguous()
             if dest is not None:
                 dest[0].copy_(out)

@@ -2,9 +2,10 @@
 
     python -m fused_attn bench cpu [--quick] [--out DIR]
 
-Shapes (BSHD, H 16 / Hkv 4, D 128): B1 S2048 bf16 and fp32; without --quick also the README's
-module example B2 S4096 bf16 and fp32. A softcap score_mod (inference: torch's CPU flex has no
-backward) at B1 S2048 bf16 against flex_attention compiled by hand. Each impl's output is first
+Shapes (BSHD, H 16 / Hkv 4, D 128, causal as in the README's module example): B1 S2048 bf16 and
+fp32; without --quick also the README example's B2 S4096 bf16 and fp32. A causal softcap score_mod
+(inference: torch's CPU flex has no backward) at B1 S2048 bf16 against flex_attention compiled by
+hand (with the causal block mask). Each impl's output is first
 checked against float64 on a slice (batch 0, the first kv head's query heads, the first 128
 query rows, every key) with the project's bound (`fused_attn.testing.bound_from`).
 
@@ -87,8 +88,9 @@ def _check(out: torch.Tensor, q, k, v, score_fn=None, rows: int = 128) -> str:
     sl = lambda t, n, r=None: t[:1, :r, :n].transpose(1, 2).detach()
     qs, ks, vs = sl(q, group, rows), sl(k, 1), sl(v, 1)
     scale = 1 / math.sqrt(D)
-    exact, _ = reference_attention(qs, ks, vs, scale, score_fn=score_fn)
-    naive, _ = reference_attention(qs, ks, vs, scale, score_fn=score_fn, dtype=q.dtype, softmax_dtype=torch.float32)
+    mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()[:rows]  # causal
+    exact, _ = reference_attention(qs, ks, vs, scale, mask, score_fn)
+    naive, _ = reference_attention(qs, ks, vs, scale, mask, score_fn, dtype=q.dtype, softmax_dtype=torch.float32)
     bound = bound_from(naive, exact, q.dtype)
     err = max_error(out[:1, :rows, :group].transpose(1, 2), exact)
     return f"ok ({err:.1e} <= {bound:.1e})" if err <= bound else f"WRONG ({err:.1e} > {bound:.1e})"
@@ -98,23 +100,32 @@ def _impls(mod: Optional[object]) -> Dict[str, Callable]:
     """name -> fn(q, k, v) -> out (BSHD)."""
     import fused_attn
 
+    causal = dict(attn_mask_type="causal")
     if mod is None:
         sdpa = lambda q, k, v: F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True).transpose(1, 2)
-        return {"fused_attn auto": lambda q, k, v: fused_attn.dot_product_attention(q, k, v),
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+        return {"fused_attn auto": lambda q, k, v: fused_attn.dot_product_attention(q, k, v, **causal),
                 "torch SDPA": sdpa,
-                "fused_attn reference": lambda q, k, v: fused_attn.dot_product_attention(q, k, v, backend="reference")}
-    from torch.nn.attention.flex_attention import flex_attention
+                "fused_attn reference": lambda q, k, v: fused_attn.dot_product_attention(q, k, v, backend="reference",
+                                                                                          **causal)}
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
     cap = mod.scalars()["cap"]
     softcap = lambda s, b, h, i, j: cap * torch.tanh(s / cap)
-    return {"fused_attn auto": lambda q, k, v: fused_attn.dot_product_attention(q, k, v, score_mod=mod),
-            "compiled flex_attention": lambda q, k, v: flex(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=softcap,
-                enable_gqa=True).transpose(1, 2),
+    masks: Dict[int, object] = {}
+
+    def by_hand(q, k, v):
+        s = q.shape[1]
+        if s not in masks:
+            masks[s] = create_block_mask(lambda b, h, i, j: j <= i, None, None, s, s, device="cpu")
+        return flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=softcap, block_mask=masks[s],
+                    enable_gqa=True).transpose(1, 2)
+
+    return {"fused_attn auto": lambda q, k, v: fused_attn.dot_product_attention(q, k, v, score_mod=mod, **causal),
+            "compiled flex_attention": by_hand,
             "fused_attn reference": lambda q, k, v: fused_attn.dot_product_attention(q, k, v, score_mod=mod,
-                                                                                      backend="reference")}
+                                                                                      backend="reference", **causal)}
 
 
 def _one(label: str, b: int, s: int, dtype: torch.dtype, mod: Optional[object], reps: int, ref_backward: bool,
@@ -125,7 +136,7 @@ def _one(label: str, b: int, s: int, dtype: torch.dtype, mod: Optional[object], 
     cap = None if mod is None else mod.scalars()["cap"]
     score_fn = None if mod is None else (lambda x, *_: cap * torch.tanh(x / cap))
     rows: List[Dict[str, object]] = []
-    engine = fused_attn.explain(q, k, v, score_mod=mod).backend
+    engine = fused_attn.explain(q, k, v, score_mod=mod, attn_mask_type="causal").backend
     for name, fn in _impls(mod).items():
         is_ref = name == "fused_attn reference"
         row: Dict[str, object] = {"config": label, "impl": name + (f" ({engine})" if name == "fused_attn auto" else "")}
@@ -174,12 +185,12 @@ def configs(quick: bool) -> list:
     """(label, B, S, dtype, score_mod or None, time the reference's backward)."""
     import score_mods as sm
 
-    grid = [("B1 S2048 H16/4 D128 bf16", 1, 2048, torch.bfloat16, None, True),
-            ("B1 S2048 H16/4 D128 fp32", 1, 2048, torch.float32, None, True),
-            ("softcap B1 S2048 H16/4 D128 bf16 (inference)", 1, 2048, torch.bfloat16, sm.softcap(30.0), False)]
+    grid = [("causal B1 S2048 H16/4 D128 bf16", 1, 2048, torch.bfloat16, None, True),
+            ("causal B1 S2048 H16/4 D128 fp32", 1, 2048, torch.float32, None, True),
+            ("causal softcap B1 S2048 H16/4 D128 bf16 (inference)", 1, 2048, torch.bfloat16, sm.softcap(30.0), False)]
     if not quick:
-        grid += [("README B2 S4096 H16/4 D128 bf16", 2, 4096, torch.bfloat16, None, False),
-                 ("README B2 S4096 H16/4 D128 fp32", 2, 4096, torch.float32, None, False)]
+        grid += [("README causal B2 S4096 H16/4 D128 bf16", 2, 4096, torch.bfloat16, None, False),
+                 ("README causal B2 S4096 H16/4 D128 fp32", 2, 4096, torch.float32, None, False)]
     return grid
 
 
@@ -188,7 +199,7 @@ def run(quick: bool, out_dir: str, reps: int = 3) -> List[Dict[str, object]]:
     rows: List[Dict[str, object]] = []
     for i, (label, b, s, dtype, mod, ref_bwd) in enumerate(configs(quick)):
         rows += _one(label, b, s, dtype, mod, reps, ref_bwd, seed=i)
-    write(rows, out_dir)
+        write(rows, out_dir)  # after every config: a long run keeps what it measured
     return rows
 
 
