@@ -9,16 +9,18 @@ hand (with the causal block mask). Each impl's output is first
 checked against float64 on a slice (batch 0, the first kv head's query heads, the first 128
 query rows, every key) with the project's bound (`fused_attn.testing.bound_from`).
 
-Times: median of `reps` calls (time.perf_counter) after one warm-up call; forward under
-torch.no_grad(), forward + backward with autograd. Memory: the peak resident set size during
-one call above the resident size before it (the kernel's high-water mark, reset through
-/proc/self/clear_refs: Linux only; torch's CPU allocations are invisible to tracemalloc). The
+Times: median of 3 calls (forward + backward: 2) after one warm-up call, time.perf_counter;
+forward under torch.no_grad(), forward + backward with autograd. Memory: the peak resident set
+size during the last timed call above the resident size before it (freed heap returned to the
+system first with malloc_trim; the high-water mark reset through /proc/self/clear_refs: Linux
+only; torch's CPU allocations are invisible to tracemalloc). The
 reference runs once per mode (it takes minutes at S4096); its backward is timed at S2048 only.
 """
 
 from __future__ import annotations
 
 import csv
+import ctypes
 import gc
 import math
 import os
@@ -48,8 +50,15 @@ def _status_kb(field: str) -> Optional[int]:
 
 
 def peak_rss_mb(fn: Callable[[], object]) -> Optional[float]:
-    """Peak resident MB above the starting resident size while `fn()` runs (None: not measurable here)."""
+    """Peak resident MB above the starting resident size while `fn()` runs (None: not measurable here).
+
+    Freed heap memory is first handed back to the system (malloc_trim), so the call's allocations
+    show as new resident pages instead of reusing earlier calls' pages."""
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM (the peak RSS) to the current RSS
@@ -62,16 +71,6 @@ def peak_rss_mb(fn: Callable[[], object]) -> Optional[float]:
     if base is None or peak is None:
         return None
     return (peak - base) / 1024.0
-
-
-def _median_s(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up (compiles, first-touch allocations)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _inputs(b: int, s: int, dtype: torch.dtype, seed: int):
@@ -128,7 +127,7 @@ def _impls(mod: Optional[object]) -> Dict[str, Callable]:
                                                                                       backend="reference", **causal)}
 
 
-def _one(label: str, b: int, s: int, dtype: torch.dtype, mod: Optional[object], reps: int, ref_backward: bool,
+def _one(label: str, b: int, s: int, dtype: torch.dtype, mod: Optional[object], reps: int, backward: str,
          seed: int) -> List[Dict[str, object]]:
     import fused_attn
 
@@ -146,10 +145,10 @@ def _one(label: str, b: int, s: int, dtype: torch.dtype, mod: Optional[object], 
         del out
         with torch.no_grad():
             row["fwd_s"], row["fwd_peak_mb"] = _time_and_peak(lambda: fn(q, k, v), 1 if is_ref else reps)
-        if mod is None and (ref_backward or not is_ref):
+        if mod is None and (backward == "all" or (backward == "torch" and not is_ref)):
             leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
             step = lambda: torch.autograd.grad(fn(*leaves), leaves, do)
-            row["fwd_bwd_s"], row["fwd_bwd_peak_mb"] = _time_and_peak(step, 1 if is_ref else reps)
+            row["fwd_bwd_s"], row["fwd_bwd_peak_mb"] = _time_and_peak(step, 1 if is_ref else max(2, reps - 1))
         rows.append(row)
         print(row, flush=True)
     base = rows[1]
@@ -161,10 +160,10 @@ def _one(label: str, b: int, s: int, dtype: torch.dtype, mod: Optional[object], 
 
 
 def _time_and_peak(fn: Callable[[], object], reps: int) -> tuple:
-    """(seconds, peak MB): one call measured for both when reps == 1 (the slow reference), else the
-    median of `reps` calls after a warm-up and one more call for the memory."""
+    """(seconds, peak MB): the median of `reps` calls after a warm-up call (none when reps == 1:
+    the slow reference), the peak measured during the last one."""
     if reps > 1:
-        return round(_median_s(fn, reps), 4), _round(peak_rss_mb(fn))
+        fn()  # warm-up (compiles, first-touch allocations)
     spent = []
 
     def timed():
@@ -173,32 +172,37 @@ def _time_and_peak(fn: Callable[[], object], reps: int) -> tuple:
         spent.append(time.perf_counter() - t0)
         return r
 
+    for _ in range(reps - 1):
+        timed()
     peak = peak_rss_mb(timed)
-    return round(spent[0], 4), _round(peak)
+    return round(statistics.median(spent), 4), _round(peak)
 
 
 def _round(x: Optional[float]) -> Optional[float]:
     return None if x is None else round(x, 1)
 
 
-def configs(quick: bool) -> list:
-    """(label, B, S, dtype, score_mod or None, time the reference's backward)."""
+def configs(quick: bool, only: Optional[str] = None) -> list:
+    """(label, B, S, dtype, score_mod or None, which impls time forward + backward: "all", "torch"
+    (not the reference) or "none"); `only`: the configs whose label contains it."""
     import score_mods as sm
 
-    grid = [("causal B1 S2048 H16/4 D128 bf16", 1, 2048, torch.bfloat16, None, True),
-            ("causal B1 S2048 H16/4 D128 fp32", 1, 2048, torch.float32, None, True),
-            ("causal softcap B1 S2048 H16/4 D128 bf16 (inference)", 1, 2048, torch.bfloat16, sm.softcap(30.0), False)]
+    grid = [("causal B1 S2048 H16/4 D128 bf16", 1, 2048, torch.bfloat16, None, "all")]
+    if not quick:  # the README shape: forward only (one bf16 backward takes minutes on a small CPU)
+        grid.append(("README causal B2 S4096 H16/4 D128 bf16", 2, 4096, torch.bfloat16, None, "none"))
+    grid.append(("causal softcap B1 S2048 H16/4 D128 bf16 (inference)", 1, 2048, torch.bfloat16, sm.softcap(30.0),
+                 "none"))
+    grid.append(("causal B1 S2048 H16/4 D128 fp32", 1, 2048, torch.float32, None, "all"))
     if not quick:
-        grid += [("README causal B2 S4096 H16/4 D128 bf16", 2, 4096, torch.bfloat16, None, False),
-                 ("README causal B2 S4096 H16/4 D128 fp32", 2, 4096, torch.float32, None, False)]
-    return grid
+        grid.append(("README causal B2 S4096 H16/4 D128 fp32", 2, 4096, torch.float32, None, "none"))
+    return [c for c in grid if only is None or only in c[0]]
 
 
-def run(quick: bool, out_dir: str, reps: int = 3) -> List[Dict[str, object]]:
+def run(quick: bool, out_dir: str, reps: int = 3, only: Optional[str] = None) -> List[Dict[str, object]]:
     """Run the grid; write `<out_dir>/cpu_<cores>cores.csv` and `.md`; return the rows."""
     rows: List[Dict[str, object]] = []
-    for i, (label, b, s, dtype, mod, ref_bwd) in enumerate(configs(quick)):
-        rows += _one(label, b, s, dtype, mod, reps, ref_bwd, seed=i)
+    for i, (label, b, s, dtype, mod, backward) in enumerate(configs(quick, only)):
+        rows += _one(label, b, s, dtype, mod, reps, backward, seed=i)
         write(rows, out_dir)  # after every config: a long run keeps what it measured
     return rows
 
