@@ -9,7 +9,9 @@ hand (with the causal block mask). Each impl's output is first
 checked against float64 on a slice (batch 0, the first kv head's query heads, the first 128
 query rows, every key) with the project's bound (`fused_attn.testing.bound_from`).
 
-Times: median of 3 calls (forward + backward: 2) after one warm-up call, time.perf_counter;
+Times: median of 3 calls (forward + backward: 2) after one warm-up call, time.perf_counter; the
+forward times of fused_attn and its torch peer are then re-measured with their calls interleaved
+(what the table shows: the load of a shared machine drifts between sequential measurements);
 forward under torch.no_grad(), forward + backward with autograd. Memory: the peak resident set
 size during the last timed call above the resident size before it (freed heap returned to the
 system first with malloc_trim; the high-water mark reset through /proc/self/clear_refs: Linux
@@ -136,7 +138,8 @@ def _one(label: str, b: int, s: int, dtype: torch.dtype, mod: Optional[object], 
     score_fn = None if mod is None else (lambda x, *_: cap * torch.tanh(x / cap))
     rows: List[Dict[str, object]] = []
     engine = fused_attn.explain(q, k, v, score_mod=mod, attn_mask_type="causal").backend
-    for name, fn in _impls(mod).items():
+    _impls_cached = _impls(mod)
+    for name, fn in _impls_cached.items():
         is_ref = name == "fused_attn reference"
         row: Dict[str, object] = {"config": label, "impl": name + (f" ({engine})" if name == "fused_attn auto" else "")}
         with torch.no_grad():
@@ -151,12 +154,28 @@ def _one(label: str, b: int, s: int, dtype: torch.dtype, mod: Optional[object], 
             row["fwd_bwd_s"], row["fwd_bwd_peak_mb"] = _time_and_peak(step, 1 if is_ref else max(2, reps - 1))
         rows.append(row)
         print(row, flush=True)
+    _interleaved(rows, [f for n, f in _impls_cached.items() if n != "fused_attn reference"], q, k, v, reps)
     base = rows[1]
     for row in rows:
         for key in ("fwd_s", "fwd_bwd_s", "fwd_peak_mb", "fwd_bwd_peak_mb"):
             if row.get(key) is not None and base.get(key):
                 row["x_" + key] = round(row[key] / base[key], 2)
     return rows
+
+
+def _interleaved(rows: List[Dict[str, object]], fns: List[Callable], q, k, v, reps: int) -> None:
+    """Forward times of the torch impls again, their calls interleaved (a, b, a, b, ...): on a shared
+    machine the load drifts between two sequential measurements, not between neighbouring calls.
+    Sets fwd_s of the first len(fns) rows to the interleaved medians."""
+    spent: List[List[float]] = [[] for _ in fns]
+    with torch.no_grad():
+        for _ in range(reps):
+            for i, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn(q, k, v)
+                spent[i].append(time.perf_counter() - t0)
+    for row, times in zip(rows, spent):
+        row["fwd_s"] = round(statistics.median(times), 4)
 
 
 def _time_and_peak(fn: Callable[[], object], reps: int) -> tuple:
