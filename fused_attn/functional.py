@@ -90,8 +90,10 @@ def dot_product_attention(
     "learnable" (the extra logit per head is `sinks`, a floating (H,) tensor, trainable: it
     receives a gradient). lse then includes the sink. dropout_p: attention dropout probability.
 
-    backend: "auto" (cuDNN on CUDA when it can serve, else the reference), "cudnn" or
-    "reference"; an explicit backend that cannot serve raises NotImplementedError.
+    backend: "auto" (cuDNN on CUDA, the torch engine on CPU, when they can serve; else the
+    reference, with the reason: `explain`), "cudnn", "torch" (torch's CPU kernels: SDPA flash,
+    compiled flex for score_mods at inference) or "reference"; an explicit backend that cannot
+    serve raises NotImplementedError with the reason.
     deterministic: use cuDNN's deterministic backward (the reference is always deterministic).
     """
     config = (qkv_format, attn_mask_type, window_size, softmax_scale, score_mod_tensors, score_mod_bprop,

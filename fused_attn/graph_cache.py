@@ -34,13 +34,16 @@ def cache_info() -> CacheInfo:
 
 def clear() -> None:
     """Release every cached graph and everything else the library caches per process (call
-    plans, resolved specs, memos, materialized score_mod operands) and reset the graph
-    statistics: afterwards no cache holds a tensor or a graph."""
+    plans, resolved specs, memos, materialized score_mod operands, the torch engine's compiled
+    flex functions) and reset the graph statistics: afterwards no cache holds a tensor or a graph."""
     clear_all()
     materialization = sys.modules.get("score_mods.materialization")
     if materialization is not None:
         materialization.clear_cache()
     GRAPH_CACHE.clear()
+    flex = sys.modules.get("fused_attn.backends.torch_flex")
+    if flex is not None:
+        flex.clear()
 
 
 def set_maxsize(maxsize: int) -> None:

@@ -138,7 +138,10 @@ def _finish(out: Any, like: Any, fdt: torch.dtype) -> Any:
         out = _tensor(out, like, fdt)
     if out.dtype != fdt and out.dtype != torch.bool:
         out = out.to(fdt)
-    return out.expand(torch.broadcast_shapes(out.shape, like.shape))
+    shape = torch.broadcast_shapes(out.shape, like.shape)
+    # no expand when the shape is already right: inductor's CPU flex_attention lowering rejects a
+    # no-op expand of a value computed from a captured 0-d tensor (a float parameter as an input)
+    return out if out.shape == shape else out.expand(shape)
 
 
 def _node_value(n: Node, a: list, env: Dict[str, Any], params: Mapping[str, Any], like, fdt) -> Any:

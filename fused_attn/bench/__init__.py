@@ -1,7 +1,8 @@
 """Benchmarks of fused_attn against its peers: `python -m fused_attn bench [suite] [--quick] [--out DIR]`.
 
 Suites: host (host overhead, build times), dense, mods (score_mods), varlen, models (training
-Hugging Face models, needs transformers); `all` runs them in that order (host first, so its
+Hugging Face models, needs transformers); `all` runs them in that order; `cpu` (not in `all`) compares
+the CPU engines (fused_attn auto / torch SDPA / compiled flex / the reference, see bench/cpu.py) (host first, so its
 first-build row is the process's first graph build). Every impl is
 checked against a float64 reference before it is timed, within the project's bound
 (`fused_attn.testing.bound_from`: 2 x the error of the naive bf16 torch computation + a floor);
@@ -45,7 +46,8 @@ def _suite_runner(name: str) -> Callable[[bool, torch.device], SuiteResult]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fused_attn bench", description=__doc__.splitlines()[0])
-    p.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all",))
+    p.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all", "cpu"),
+                   help="cpu: the torch engine vs torch SDPA / compiled flex vs the reference on this CPU")
     p.add_argument("--quick", action="store_true", help="reduced grid (whole `all --quick` run: a few minutes)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--families", default=None,
@@ -97,6 +99,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad or not families:
             print(f"--families: unknown model family {bad or args.families!r}; choose from {', '.join(FAMILIES)}")
             return 2
+    if args.suite == "cpu":
+        from .cpu import run as run_cpu
+
+        rows = run_cpu(args.quick, args.out)
+        wrong = [r for r in rows if not str(r.get("check", "")).startswith("ok")]
+        for r in wrong:
+            print("FAILED:", r["config"], r["impl"], r["check"])
+        return 1 if wrong else 0
     if not torch.cuda.is_available():
         if not args.cpu_smoke:
             print("fused_attn benchmarks need a CUDA GPU, and torch sees none. To exercise the harness on CPU at "

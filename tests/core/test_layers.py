@@ -15,7 +15,7 @@ LAYERS = (
     ("score_mods", lambda m: m == "score_mods" or m.startswith("score_mods.")),
     ("base", lambda m: m in {f"fused_attn.{n}" for n in (
         "problem", "spec", "layouts", "validation", "memo", "cache", "key_range", "static", "mod_values",
-        "extensions", "planning", "mod_axes", "graph_store", "engine_table", "tensor_kind", "progress")}),
+        "extensions", "planning", "mod_axes", "graph_store", "graph_file", "engine_table", "tensor_kind", "progress")}),
     ("backends", lambda m: m.startswith("fused_attn.backends")),
     ("engines", lambda m: m == "fused_attn.engines"),
     ("runtime", lambda m: m in {"fused_attn.plan", "fused_attn.autograd", "fused_attn.ops", "fused_attn.abstract"}),
@@ -111,6 +111,8 @@ def test_engines_never_import_each_other():
             return "cudnn"
         if m.startswith("fused_attn.backends.reference"):
             return "reference"
+        if m.startswith("fused_attn.backends.torch"):
+            return "torch"
         return ""
 
     crossing = [(m, t) for m, ts in _graph().items() for t in ts
