@@ -155,7 +155,7 @@ def _why_not(name: str, problem: StaticProblem) -> Optional[str]:
         engine = get(name)
     except NotImplementedError as exc:
         return str(exc)
-    return engine.unavailable() or engine.refusal(problem)
+    return engine.refusal(problem) or engine.unavailable()  # the problem's own reason first
 
 
 def _build(name: str, problem: StaticProblem, build: bool) -> Tuple[Any, Optional[str]]:
