@@ -132,7 +132,9 @@ class SdpaRunner:
         """Gradients of one chunk of a larger attention whose output `out` and fp32 lse (B, H, Sq)
         are given: the kernel's backward takes P = exp(score - lse) and D = rowsum(dO * out) from
         them. Rows with lse -inf (no key anywhere) weigh nothing."""
-        raw = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse).float()
+        # the kernel's own lse dtype: its accumulation type (float64 for float64 inputs, else fp32)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        raw = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse).to(acc)
         grads = self._backward(q, k, v, out, raw, varlen, grad_out)
         if dest is None:
             return grads
