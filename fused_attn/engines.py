@@ -8,7 +8,8 @@ call's tensors). Each one is an object with:
     unavailable() -> Optional[str]              why it cannot run on this machine at all, or None
     refusal(problem) -> Optional[str]           from metadata only: why it cannot run `problem`
     make_runner(problem) -> Runner              what a plan needs (may raise static.Refusal)
-    saved_shape(problem, query_rows) -> tuple   the fp32 tensor its forward saves (fake tensors)
+    saved_shape(make_problem, query_rows) -> tuple   the fp32 tensor its forward saves (fake tensors;
+                                                make_problem() builds the StaticProblem if needed)
     op_saved(saved, query) -> Tensor            that tensor, from a runner's saved tensors (compiled op)
     traced_refusal(device_type, dtype, head_dim, head_dim_v) -> Optional[str]
                                                 what torch.compile can know at trace time
@@ -68,7 +69,7 @@ class Engine(Protocol):
 
     def make_runner(self, problem: StaticProblem) -> Any: ...
 
-    def saved_shape(self, problem: StaticProblem, query_rows: int) -> Tuple[int, ...]: ...
+    def saved_shape(self, make_problem: Any, query_rows: int) -> Tuple[int, ...]: ...
 
     def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor: ...
 

@@ -163,8 +163,8 @@ def _attn_fwd_fake(query, key, value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_
     mod = _structure_mod(spec, score_mod_tensors)
     varlen = Varlen(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q,
                     max_seqlen_kv)
-    saved_shape = engines.get(spec.backend).saved_shape(_static_problem(spec, mod, query, key, value, varlen, sinks),
-                                                        query.shape[0])
+    saved_shape = engines.get(spec.backend).saved_shape(
+        lambda: _static_problem(spec, mod, query, key, value, varlen, sinks), query.shape[0])
     saved = query.new_empty(saved_shape, dtype=torch.float32)
     return out, lse, saved
 

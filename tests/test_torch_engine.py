@@ -202,6 +202,21 @@ def test_score_mod_with_gradients_runs_on_the_reference(gen):
 
 
 @pytest.mark.slow
+def test_score_mods_are_refused_until_flex_is_right(gen):
+    """The case that showed the flex path wrong now runs on the reference, exactly."""
+    from fused_attn.testing import assert_close, bound_from
+
+    q, k, v = (torch.randn(2, 8, 4, 16, generator=gen) for _ in range(3))
+    kw = dict(score_mod=sm.softcap(3.0), attn_mask_type="causal")
+    why = fused_attn.explain(q, k, v, **kw)
+    assert why.backend == "reference" and "switched off" in why.reason
+    exact = fused_attn.dot_product_attention(q.double(), k.double(), v.double(), backend="reference", **kw)
+    same = fused_attn.dot_product_attention(q, k, v, backend="reference", **kw)
+    assert_close(fused_attn.dot_product_attention(q, k, v, **kw).double(), exact,
+                 bound_from(same.double(), exact, torch.float32), "auto on CPU")
+
+
+@pytest.mark.xfail(strict=True, reason="score_mods on the torch engine are switched off (torch_sdpa.refusal)")
 def test_score_mods_through_compiled_flex(gen):
     """softcap (with causal, GQA, bf16), ALiBi (a tensor parameter) and a user-written mod reading
     positions, inference, against float64; a new float value or tensor reuses the compiled function."""

@@ -26,7 +26,7 @@ class ReferenceEngine:
     def make_runner(self, problem: Any) -> Any:
         return reference.make_runner(problem)
 
-    def saved_shape(self, problem: Any, query_rows: int) -> Tuple[int, ...]:
+    def saved_shape(self, make_problem: Any, query_rows: int) -> Tuple[int, ...]:
         return (0,)  # the reference recomputes its forward in the backward
 
     def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor:

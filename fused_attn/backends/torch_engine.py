@@ -27,7 +27,7 @@ class TorchEngine:
     def make_runner(self, problem: Any) -> Any:
         return torch_sdpa.make_runner(problem)
 
-    def saved_shape(self, problem: Any, query_rows: int) -> Tuple[int, ...]:
+    def saved_shape(self, make_problem: Any, query_rows: int) -> Tuple[int, ...]:
         return (0,)  # like the reference: the backward recomputes what it needs
 
     def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,14 @@ def refusal(problem) -> Optional[str]:
     mod = spec.score_mod
     if mod is None:
         return None
-    return torch_flex.refusal(problem, mod)
+    why = torch_flex.refusal(problem, mod)
+    if why is not None:
+        return why
+    # Measured wrong: softcap(3) under a causal mask, bshd B2 S8 H4 D16 float32, compiled flex gave
+    # outputs off by 3.1 against float64 (the reference: 2e-7). Until the flex path is found right
+    # on every configuration it serves, score_mods run on the reference.
+    return ("score_mods on the torch engine are switched off: its compiled flex path gave wrong outputs for a "
+            "small causal softcap call (off by 3.1); the reference serves them")
 
 
 def make_runner(problem) -> Any:

@@ -47,7 +47,7 @@ class StubEngine:
 
         return Runner()
 
-    def saved_shape(self, problem: Any, query_rows: int) -> Tuple[int, ...]:
+    def saved_shape(self, make_problem: Any, query_rows: int) -> Tuple[int, ...]:
         return (0,)
 
     def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor:

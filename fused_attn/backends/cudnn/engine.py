@@ -31,8 +31,8 @@ class CudnnEngine:
     def make_runner(self, problem: Any) -> Any:
         return package.make_runner(problem)
 
-    def saved_shape(self, problem: Any, query_rows: int) -> Tuple[int, ...]:
-        return package.saved_shape(problem, query_rows)
+    def saved_shape(self, make_problem: Any, query_rows: int) -> Tuple[int, ...]:
+        return package.saved_shape(make_problem(), query_rows)
 
     def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor:
         """The tensor the compiled op hands its backward: a copy of the forward's fp32 Stats."""
