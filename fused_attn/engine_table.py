@@ -12,6 +12,7 @@ __all__ = ["names", "engine_names", "location", "add", "remove", "BUILTIN", "MAX
 #: the built-in engines (the reference, which runs everything, last)
 BUILTIN: Tuple[Tuple[str, str], ...] = (
     ("cudnn", "fused_attn.backends.cudnn.engine:ENGINE"),
+    ("fa4", "fused_attn.backends.fa4.engine:ENGINE"),
     ("torch", "fused_attn.backends.torch_engine:ENGINE"),
     ("reference", "fused_attn.backends.reference_engine:ENGINE"),
 )

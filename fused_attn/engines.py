@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, runtime
 
 import torch
 
-from . import engine_table, planning
+from . import engine_speed, engine_table, planning
 from .static import Refusal, StaticProblem
 
 __all__ = ["Engine", "Runner", "choose", "traced_choice", "names", "get", "register", "unregister", "route",
@@ -183,13 +183,22 @@ def choose(problem: StaticProblem, build: bool = True) -> Tuple[str, str, Any]:
             raise NotImplementedError(f"backend={requested!r} cannot run this problem: {why}{way_out}")
         return requested, f"backend={requested!r} was requested", runner if build else None
     declined = []
+    candidates = []
     for name in engine_table.engine_names():
         if problem.device.type not in _auto_devices(name):
             declined.append(f"{name}: not used by backend='auto' for {problem.device.type} tensors")
             continue
+        why = _why_not(name, problem)
+        if why is not None:
+            declined.append(f"{name} cannot serve it: {why}")
+            continue
+        candidates.append(name)
+    order, why_order = engine_speed.rank(problem, candidates)
+    for name in order:
         runner, why = _build(name, problem, build)
         if runner is not None:
-            reason = f"{name} serves it" + (f" ({'; '.join(declined)})" if declined else "")
+            notes = ([why_order] if why_order else []) + declined
+            reason = f"{name} serves it" + (f" ({'; '.join(notes)})" if notes else "")
             return name, reason, runner if build else None
         declined.append(f"{name} cannot serve it: {why}")
     raise NotImplementedError("no engine can run this problem: " + "; ".join(declined))

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import engines, planning
+from . import engine_speed, engines, planning
 from . import validation as V
 from .memo import register_clear
 from .layouts import logical_shape
@@ -53,6 +53,8 @@ class Explanation(NamedTuple):
     reason: str
     problem: str
     quirks: Tuple[str, ...] = ()
+    #: the problem family backend="auto" looks up in the measured engine tables (`engine_speed`)
+    family: str = ""
 
 
 class CallPlan:
@@ -293,7 +295,8 @@ def explain_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
         plan = get_plan(spec, mod, q, k, v, varlen, sinks)
-    return Explanation(plan.backend, plan.reason, plan.problem.describe(), tuple(getattr(plan.runner, "quirks", ())))
+    return Explanation(plan.backend, plan.reason, plan.problem.describe(), tuple(getattr(plan.runner, "quirks", ())),
+                       engine_speed.family(plan.problem))
 
 
 planning.install(planning.Planner(

@@ -1,0 +1,307 @@
+"""Engines and peers over problem families on the GPU at hand: fused_attn (auto / cudnn / fa4),
+flash-attn-4 called directly, torch SDPA (cuDNN and flash backends) and torch varlen_attn.
+
+Every implementation is first checked against the float64 reference on a reduced slice of the
+same configuration (B=1, S/4: the float64 scores of the full size do not fit), with the
+project's bound (`fused_attn.testing.bound_from`); a wrong one is reported and not timed. Then,
+forward and forward + backward, three numbers per implementation:
+    gpu_ms   device time per call, the host kept ahead (`device_ms_per_call`)
+    wall_ms  wall time per step over back-to-back steps, one synchronize at the end
+    host_us  host time per call while the GPU works behind it (`host_us_launching`)
+
+    python benchmarks/bench_engines.py --out OUT_DIR [--write-table] [--quick]
+
+--write-table stores the fused_attn engines' wall times as `fused_attn/speed/<arch>.csv`, the
+table backend="auto" chooses from (rows of the families measured replace older ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fused_attn  # noqa: E402
+import score_mods as sm  # noqa: E402
+from fused_attn import engine_speed, engines, testing  # noqa: E402
+from fused_attn.bench.timing import device_ms_per_call, host_us_launching  # noqa: E402
+
+DT = torch.bfloat16
+
+
+@dataclass
+class Family:
+    name: str
+    b: int
+    s: int
+    h: int
+    hkv: int
+    d: int
+    causal: bool = False
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    sinks: bool = False
+    varlen: bool = False
+    kwargs: Dict = field(default_factory=dict)
+
+
+FAMILIES = [
+    Family("dense B2 S4096 H16 D128", 2, 4096, 16, 16, 128),
+    Family("causal B2 S4096 H16 D128", 2, 4096, 16, 16, 128, causal=True),
+    Family("llama3 B2 S8192 H64/8 D128 causal", 2, 8192, 64, 8, 128, causal=True),
+    Family("gemma2 B2 S4096 H16 D128 causal softcap30", 2, 4096, 16, 16, 128, causal=True, softcap=30.0),
+    Family("varlen B8 <=2048 H16 D64", 8, 2048, 16, 16, 64, varlen=True),
+    Family("varlen causal B8 <=2048 H16 D64", 8, 2048, 16, 16, 64, causal=True, varlen=True),
+    Family("gpt-oss B4 S4096 H64/8 D64 window128 sinks", 4, 4096, 64, 8, 64, causal=True, window=128, sinks=True),
+    Family("causal B16 S1024 H16 D128", 16, 1024, 16, 16, 128, causal=True),
+    Family("causal B8 S1024 H16 D64", 8, 1024, 16, 16, 64, causal=True),
+    Family("dense B1 S16384 H16 D128 causal", 1, 16384, 16, 16, 128, causal=True),
+]
+
+
+def _lengths(fam: Family, b: int, s: int, seed: int = 7) -> List[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(s // 8, s + 1, (b,), generator=g)]
+
+
+def make_inputs(fam: Family, b: int, s: int, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dev = torch.device("cuda")
+    if fam.varlen:
+        lens = _lengths(fam, b, s)
+        t = sum(lens)
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+        shape_q, shape_kv, extra = (t, fam.h, fam.d), (t, fam.hkv, fam.d), dict(cu=cu, max_len=max(lens))
+    else:
+        shape_q, shape_kv, extra = (b, s, fam.h, fam.d), (b, s, fam.hkv, fam.d), {}
+    q = torch.randn(*shape_q, generator=g).to(dev, DT)
+    k = torch.randn(*shape_kv, generator=g).to(dev, DT)
+    v = torch.randn(*shape_kv, generator=g).to(dev, DT)
+    dout = torch.randn(*shape_q, generator=g).to(dev, DT)
+    sinks = torch.randn(fam.h, generator=g).to(dev) if fam.sinks else None
+    return q, k, v, dout, sinks, extra
+
+
+def ours_kwargs(fam: Family, extra: dict, sinks) -> dict:
+    kw: Dict = {}
+    if fam.varlen:
+        kw.update(qkv_format="thd", cu_seqlens_q=extra["cu"], cu_seqlens_kv=extra["cu"],
+                  max_seqlen_q=extra["max_len"], max_seqlen_kv=extra["max_len"],
+                  attn_mask_type="padding_causal" if fam.causal else "padding")
+    else:
+        kw.update(qkv_format="bshd", attn_mask_type="causal" if fam.causal else "no_mask")
+    if fam.window is not None:
+        kw["window_size"] = (fam.window, 0)
+    if fam.softcap is not None:
+        kw["score_mod"] = sm.softcap(fam.softcap)
+    if fam.sinks:
+        kw.update(softmax_type="learnable", sinks=sinks)
+    return kw
+
+
+def implementations(fam: Family) -> Dict[str, Callable]:
+    """name -> fn(q, k, v, sinks, extra) returning the output (bshd / thd)."""
+    impls: Dict[str, Callable] = {}
+    for backend in ("auto", "cudnn", "fa4"):
+        def ours(q, k, v, sinks, extra, backend=backend):
+            return fused_attn.dot_product_attention(q, k, v, backend=backend, **ours_kwargs(fam, extra, sinks))
+        impls[f"fused_attn {backend}"] = ours
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception:
+        flash_attn_func = None
+    if flash_attn_func is not None:
+        def fa4(q, k, v, sinks, extra):
+            kw = dict(causal=fam.causal, softcap=fam.softcap or 0.0, learnable_sink=sinks)
+            if fam.window is not None:
+                kw["window_size"] = (fam.window, 0)
+            if fam.varlen:
+                got = flash_attn_varlen_func(q, k, v, cu_seqlens_q=extra["cu"], cu_seqlens_k=extra["cu"],
+                                             max_seqlen_q=extra["max_len"], max_seqlen_k=extra["max_len"], **kw)
+            else:
+                got = flash_attn_func(q, k, v, **kw)
+            return got[0] if isinstance(got, tuple) else got
+        impls["flash-attn-4"] = fa4
+    if not fam.varlen and fam.softcap is None and not fam.sinks and fam.window is None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        for label, kind in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION)):
+            def sdpa(q, k, v, sinks, extra, kind=kind):
+                with sdpa_kernel([kind]):
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=fam.causal,
+                        enable_gqa=fam.h != fam.hkv)
+                return o.transpose(1, 2)
+            impls[label] = sdpa
+    if fam.varlen and fam.softcap is None and not fam.sinks:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        if varlen_attn is not None:
+            def tvarlen(q, k, v, sinks, extra):
+                m = extra["max_len"]
+                try:
+                    return varlen_attn(q, k, v, extra["cu"], extra["cu"], m, m, is_causal=fam.causal)
+                except TypeError:
+                    return varlen_attn(q, k, v, extra["cu"], extra["cu"], m, m,
+                                       window_size=(-1, 0) if fam.causal else (-1, -1))
+            impls["torch varlen_attn"] = tvarlen
+    return impls
+
+
+def check(fam: Family, impls: Dict[str, Callable]) -> Dict[str, str]:
+    """name -> "ok (err/bound)" or the reason it is wrong / cannot run, on B=1, S/4."""
+    b, s = 1, max(fam.s // 4, 256)
+    q, k, v, dout, sinks, extra = make_inputs(fam, b, s, seed=11)
+    kw = ours_kwargs(fam, extra, sinks)
+
+    def ref(dtype):
+        cast = [t.to(dtype) for t in (q, k, v)]
+        return fused_attn.dot_product_attention(*cast, backend="reference", **{
+            **kw, "sinks": None if sinks is None else sinks.to(torch.float64 if dtype == torch.float64 else torch.float32)})
+
+    exact = ref(torch.float64)
+    bound = testing.bound_from(ref(DT), exact, DT)
+    status = {}
+    for name, fn in impls.items():
+        try:
+            got = fn(q, k, v, sinks, extra)
+            err = testing.max_error(got, exact)
+            status[name] = f"ok ({err:.2e} <= {bound:.2e})" if err <= bound else f"WRONG ({err:.2e} > {bound:.2e})"
+        except Exception as exc:  # a peer that cannot run this configuration: say why
+            status[name] = f"n/a: {type(exc).__name__}: {str(exc).splitlines()[0][:140]}"
+    return status
+
+
+def measure(fn: Callable, args, dout, grad: bool) -> Dict[str, float]:
+    q, k, v, sinks, extra = args
+    dev = torch.device("cuda")
+    if grad:
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+        def step():
+            out = fn(*leaves, sinks, extra)
+            torch.autograd.backward(out, dout)
+            for t in leaves:
+                t.grad = None
+    else:
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, sinks, extra)
+    t0 = time.perf_counter()
+    step()  # first call (kernel compile / graph build) reported separately
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    host = host_us_launching(step, dev, calls=10)
+    gpu = device_ms_per_call(step, dev, host, calls=10)
+    n = 20
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / n
+    return dict(gpu_ms=gpu, wall_ms=wall, host_us=host, first_ms=first_ms)
+
+
+def family_key(fam: Family, q, k, v, sinks, extra, grad: bool):
+    """(family, seq) as backend="auto" looks them up."""
+    leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+    ex = fused_attn.explain(*leaves, backend="auto", **ours_kwargs(fam, extra, sinks))
+    return ex.family, (extra["max_len"] if fam.varlen else fam.s), ex.backend, ex.reason
+
+
+def write_table(rows: List[dict], arch: str) -> str:
+    path = engine_speed.table_path(arch)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    old = []
+    if os.path.exists(path):
+        with open(path, newline="") as fh:
+            old = list(csv.DictReader(fh))
+    new = {}
+    for r in rows:
+        if r["impl"] in ("fused_attn cudnn", "fused_attn fa4") and r.get("fwd_wall_ms") and r.get("fwd_bwd_wall_ms"):
+            engine = r["impl"].split()[1]
+            new[(r["family"], str(r["seq"]), engine)] = dict(family=r["family"], seq=r["seq"], engine=engine,
+                                                             fwd_ms=f"{r['fwd_wall_ms']:.4f}",
+                                                             fwd_bwd_ms=f"{r['fwd_bwd_wall_ms']:.4f}")
+    measured = {(f, s) for f, s, _ in new}
+    kept = [r for r in old if (r["family"], r["seq"]) not in measured]
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["family", "seq", "engine", "fwd_ms", "fwd_bwd_ms"])
+        w.writeheader()
+        for r in kept + list(new.values()):
+            w.writerow(r)
+    engine_speed.clear()
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for engines.csv and engines.md")
+    ap.add_argument("--write-table", action="store_true", help="store fused_attn/speed/<arch>.csv")
+    ap.add_argument("--quick", action="store_true", help="the first three families only")
+    ap.add_argument("--only", default="", help="comma-separated substrings of family names")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench engines needs a CUDA GPU; nothing was run")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    arch = engine_speed.arch_of(torch.device("cuda"))
+    fams = FAMILIES[:3] if args.quick else FAMILIES
+    if args.only:
+        fams = [f for f in fams if any(p in f.name for p in args.only.split(","))]
+    print(f"# {torch.cuda.get_device_name()} {arch}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"fa4 available: {engines.available('fa4')}")
+    rows: List[dict] = []
+    for fam in fams:
+        impls = implementations(fam)
+        status = check(fam, impls)
+        q, k, v, dout, sinks, extra = make_inputs(fam, fam.b, fam.s)
+        fkey, seq, auto_engine, auto_reason = family_key(fam, q, k, v, sinks, extra, grad=True)
+        print(f"\n## {fam.name}  [{fkey} seq {seq}; auto -> {auto_engine}]")
+        print(f"{'impl':<20} {'check':<34} {'fwd gpu':>8} {'fwd wall':>9} {'fwd host us':>11} "
+              f"{'f+b gpu':>8} {'f+b wall':>9} {'f+b host us':>11} {'1st f+b ms':>10}")
+        for name, fn in impls.items():
+            row = dict(family_name=fam.name, family=fkey, seq=seq, impl=name, check=status[name],
+                       auto_engine=auto_engine)
+            if status[name].startswith("ok"):
+                try:
+                    f = measure(fn, (q, k, v, sinks, extra), dout, grad=False)
+                    fb = measure(fn, (q, k, v, sinks, extra), dout, grad=True)
+                    row.update({f"fwd_{a}": b for a, b in f.items()})
+                    row.update({f"fwd_bwd_{a}": b for a, b in fb.items()})
+                except Exception as exc:
+                    row["check"] = f"failed timing: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            rows.append(row)
+            if "fwd_gpu_ms" in row:
+                print(f"{name:<20} {row['check'][:34]:<34} {row['fwd_gpu_ms']:8.3f} {row['fwd_wall_ms']:9.3f} "
+                      f"{row['fwd_host_us']:11.1f} {row['fwd_bwd_gpu_ms']:8.3f} {row['fwd_bwd_wall_ms']:9.3f} "
+                      f"{row['fwd_bwd_host_us']:11.1f} {row['fwd_bwd_first_ms']:10.1f}")
+            else:
+                print(f"{name:<20} {row['check'][:120]}")
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("family_name", "impl", "check"), k))
+    with open(os.path.join(args.out, "engines.csv"), "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    if args.write_table:
+        print("\nwrote", write_table(rows, arch))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Whether flash-attn-4 can run here: the package (an optional extra), its version, the GPU.
+
+Imported lazily: the library imports FA4 (and the CuTe DSL behind it) only when the FA4 engine
+is asked about a CUDA problem. The answer is computed once per process (a one-slot cache under a
+lock); a device's architecture once per device index (at most `_MAX_DEVICES`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Optional
+
+import torch
+
+__all__ = ["PINNED_VERSION", "INSTALL_HINT", "module", "unavailable", "version", "arch_refusal", "arch"]
+
+#: the flash-attn-4 release this engine is written and tested against (3rdparty/requirements-fa4.txt)
+PINNED_VERSION = "4.0.0b36"
+INSTALL_HINT = "pip install 'fused_attn[fa4]'"
+#: compute capabilities (major) whose FA4 kernels this engine runs: Hopper (sm90), Blackwell (sm100)
+SUPPORTED_MAJORS = (9, 10)
+_MAX_DEVICES = 64
+
+_lock = threading.Lock()
+_state: Dict[str, Any] = {}
+_arch: Dict[int, tuple] = {}
+
+
+def _load() -> None:
+    with _lock:
+        if "done" in _state:
+            return
+        try:
+            from flash_attn.cute import interface  # noqa: F401 - the kernels' entry points
+        except Exception as exc:  # ImportError, or the CuTe DSL failing to load its libraries
+            _state["why"] = (f"flash-attn-4 is not installed or cannot be imported ({type(exc).__name__}: {exc}); "
+                             f"{INSTALL_HINT} adds it")
+            _state["module"] = None
+        else:
+            _state["why"] = None
+            _state["module"] = interface
+            try:
+                from importlib.metadata import version as dist_version
+
+                _state["version"] = dist_version("flash-attn-4")
+            except Exception:
+                _state["version"] = "unknown"
+        _state["done"] = True
+
+
+def unavailable() -> Optional[str]:
+    """Why the FA4 engine cannot run on this machine at all, or None."""
+    if not torch.cuda.is_available():
+        return "the FA4 engine needs a CUDA GPU (none is available)"
+    _load()
+    return _state["why"]
+
+
+def module() -> Any:
+    """flash_attn.cute.interface (call only after `unavailable()` returned None)."""
+    _load()
+    return _state["module"]
+
+
+def version() -> Optional[str]:
+    """The installed flash-attn-4 version, or None when it is not installed."""
+    _load()
+    return _state.get("version")
+
+
+def arch(device: torch.device) -> tuple:
+    """(major, minor) compute capability of a CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    got = _arch.get(index)
+    if got is None:
+        got = tuple(torch.cuda.get_device_capability(index))
+        with _lock:
+            if len(_arch) < _MAX_DEVICES:
+                _arch[index] = got
+    return got
+
+
+def arch_refusal(device: torch.device) -> Optional[str]:
+    """Why FA4 does not run on this device's architecture, or None."""
+    major, minor = arch(device)
+    if major not in SUPPORTED_MAJORS:
+        return (f"the FA4 engine runs on sm90 (Hopper) and sm100 (Blackwell); {device} is sm{major}{minor}")
+    return None

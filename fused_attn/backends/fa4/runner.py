@@ -1,0 +1,152 @@
+"""Runs one plan on flash-attn-4's kernels (`_flash_attn_fwd` / `_flash_attn_bwd` of the pinned
+release): the runner interface of `fused_attn.engines.Runner`.
+
+Layouts: FA4 reads (B, S, H, D) tensors with any strides whose last dim is contiguous, so bshd
+is passed as is and sbhd / bhsd as transposed views (no copies); the output is written into a
+buffer in the query's own format. Its gradients come back in the inputs' layouts (FA4 allocates
+them like its inputs). thd goes to the varlen kernels with cu_seqlens (int32) and max_seqlen.
+lse: fp32 (B, H, Sq) dense / (H, Tq) thd, with sinks folded in, as the reference's.
+Per call the runner reads the mod's values: the window of a library mask, the cap of the
+softcap, the tensors and scalars of a generated CuTe mod (aux tensors / aux scalars: new values
+never recompile).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ...problem import Band
+from . import cute_load, install
+from .support import Plan, window
+
+__all__ = ["Fa4Runner"]
+
+_TO_BSHD = {"bshd": None, "sbhd": (1, 0, 2, 3), "bhsd": (0, 2, 1, 3), "thd": None}
+
+
+def _bshd(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    perm = _TO_BSHD[fmt]
+    return t if perm is None else t.permute(perm)
+
+
+def _int32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None or t.dtype == torch.int32:
+        return t
+    return t.to(torch.int32)
+
+
+def _aux_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor parameter as the kernel reads it: 1-D, contiguous, int32 for integer / bool ids,
+    fp32 for float64 tables."""
+    if t.dtype in (torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool):
+        t = t.to(torch.int32)
+    elif t.dtype == torch.float64:
+        t = t.to(torch.float32)
+    return t.reshape(-1).contiguous()
+
+
+class Fa4Runner:
+    """forward -> (out in the query's format, lse or None, saved (q, k, v, out, lse), state);
+    backward -> (dq, dk, dv[, d_sinks]) in the inputs' layouts."""
+
+    backend = "fa4"
+
+    def __init__(self, problem: Any, plan: Plan) -> None:
+        self.static = problem
+        self.plan = plan
+        spec = problem.spec
+        self.fmt = spec.qkv_format
+        self.packed = spec.is_packed
+        self.scale = float(problem.scale)
+        self.deterministic = bool(spec.deterministic)
+        self.return_lse = bool(spec.return_lse)
+        self.fns = None if plan.source is None else cute_load.load(plan.source)
+        self.quirks: Tuple[str, ...] = ()
+
+    # -- per-call kernel arguments
+    def _band(self, mod: Any) -> Optional[Band]:
+        if self.plan.mod_band:
+            return Band(*mod.native_band)
+        return self.plan.band
+
+    def _common(self, varlen: Any, mod: Any, sinks: Optional[torch.Tensor], q: torch.Tensor) -> Dict[str, Any]:
+        causal, left, right = window(self._band(mod))
+        args: Dict[str, Any] = dict(softmax_scale=self.scale, causal=causal, window_size_left=left,
+                                    window_size_right=right)
+        if self.packed:
+            args.update(cu_seqlens_q=_int32(varlen.cu_seqlens_q), cu_seqlens_k=_int32(varlen.cu_seqlens_kv),
+                        max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
+        if self.plan.softcap:
+            args["softcap"] = float(mod.scalars()["cap"])
+        if self.plan.sinks == "learnable":
+            args["learnable_sink"] = sinks
+        elif self.plan.sinks == "off-by-one":
+            args["learnable_sink"] = torch.zeros(self.static.heads, dtype=torch.float32, device=q.device)
+        if self.fns is not None:
+            source = self.plan.source
+            tensors = mod.tensors()
+            values = mod.scalars_typed() if hasattr(mod, "scalars_typed") else mod.scalars()
+            args["aux_tensors"] = [_aux_tensor(tensors[n]) for n in source.tensors] or None
+            args["aux_scalars"] = tuple(values[n] for n in source.scalars) or None
+        return args
+
+    # -- the runner interface
+    def grad_inputs(self, mod: Any, sinks: Optional[torch.Tensor]) -> tuple:
+        """The learnable sinks (FA4's dsink) when given; nothing else besides q, k, v."""
+        return () if sinks is None or self.plan.sinks != "learnable" else (sinks,)
+
+    def op_grads(self, mod: Any, sinks: Optional[torch.Tensor], grads: tuple) -> list:
+        return list(grads[3:])
+
+    def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None, dest=None):
+        """(out, lse or None, saved, state); dest: (out, (B, H, Sq, 1) lse) views to copy into."""
+        fa = install.module()
+        args = self._common(varlen, mod, sinks, q)
+        if self.fns is not None:
+            args["score_mod"] = self.fns.score_mod
+        out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
+        with torch.no_grad():
+            _, lse, *_ = fa._flash_attn_fwd(_bshd(q, self.fmt), _bshd(k, self.fmt), _bshd(v, self.fmt),
+                                            out=_bshd(out, self.fmt), return_lse=True, **args)
+        if dest is not None:
+            dest[0].copy_(out)
+            dest[1].copy_(lse.unsqueeze(-1))
+        return out, (lse if self.return_lse else None), (q, k, v, out, lse), (varlen, mod, sinks)
+
+    def backward(self, state, saved, grad_out):
+        varlen, mod, sinks = state
+        q, k, v, out, lse = saved
+        return self._backward(q, k, v, out, lse, varlen, mod, sinks, grad_out)
+
+    def backward_call(self, q, k, v, out, stats, varlen, mod, sinks, grad_out, rng=None):
+        """The backward from the call's arguments (the custom-op path): `stats` is the forward's lse."""
+        return self._backward(q, k, v, out, stats, varlen, mod, sinks, grad_out)
+
+    def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out, dest=None):
+        """Gradients of one chunk of a larger attention whose output and fp32 lse are given."""
+        grads = self._backward(q, k, v, out, lse.detach().to(torch.float32).contiguous(), varlen, mod, sinks,
+                               grad_out)
+        if dest is None:
+            return grads
+        for d, g in zip(dest[1:], grads[1:3]):
+            d.copy_(g)
+        return (grads[0],) + tuple(dest[1:]) + tuple(grads[3:])
+
+    def _backward(self, q, k, v, out, lse, varlen, mod, sinks, grad_out) -> tuple:
+        fa = install.module()
+        args = self._common(varlen, mod, sinks, q)
+        if self.fns is not None:
+            args["score_mod"], args["score_mod_bwd"] = self.fns.score_mod, self.fns.score_mod_bwd
+        if "softcap" not in args:
+            args["softcap"] = 0.0
+        with torch.no_grad():
+            got = fa._flash_attn_bwd(_bshd(q, self.fmt), _bshd(k, self.fmt), _bshd(v, self.fmt),
+                                     _bshd(out, self.fmt), _bshd(grad_out, self.fmt), lse,
+                                     deterministic=self.deterministic, **args)
+        dq, dk, dv = (_bshd(g, self.fmt) for g in got[:3])
+        extra = ()
+        if self.plan.sinks == "learnable" and sinks is not None:
+            extra = (got[3].to(sinks.dtype),)
+        return (dq, dk, dv) + extra

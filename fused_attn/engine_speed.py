@@ -1,0 +1,138 @@
+"""backend="auto"'s choice by measurement: committed tables of engine timings per GPU architecture.
+
+`python -m fused_attn bench engines` times every engine that can run a problem family on the GPU
+at hand and writes `fused_attn/speed/sm<major><minor>.csv` (committed, shipped in the wheel):
+
+    family,seq,engine,fwd_ms,fwd_bwd_ms
+    dense/causal/none/vanilla/mha/d128,4096,cudnn,0.257,1.031
+
+A family says what decides the fastest kernel (`family`): dense or thd, the mask (none / causal
+/ window), the score_mod (none, softcap or any other), the softmax type (sinks), GQA or not, the
+head dim. `rank` reorders the engines that can serve a problem by the row of its family nearest
+in length (log scale), forward time for calls without gradients, forward + backward otherwise.
+Engines without a row keep their default order after the measured ones; a family without rows
+keeps the default order (cuDNN first), and the reason says so: the choice is never silent.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import os
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["family", "rank", "table", "table_path", "arch_of", "seq_of", "clear"]
+
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "speed")
+_lock = threading.Lock()
+_arch: Dict[Any, str] = {}
+_MAX_DEVICES = 64
+
+
+def table_path(arch: str) -> str:
+    """Where the table of architecture `arch` ("sm90") lives."""
+    return os.path.join(_DIR, f"{arch}.csv")
+
+
+@functools.lru_cache(maxsize=16)
+def table(arch: str) -> Dict[str, List[Tuple[int, str, float, float]]]:
+    """family -> [(seq, engine, fwd_ms, fwd_bwd_ms)] of the committed table ({} when none)."""
+    path = table_path(arch)
+    out: Dict[str, List[Tuple[int, str, float, float]]] = {}
+    if not os.path.exists(path):
+        return out
+    with open(path, newline="") as fh:
+        for row in csv.DictReader(fh):
+            try:
+                entry = (int(row["seq"]), row["engine"], float(row["fwd_ms"]), float(row["fwd_bwd_ms"]))
+            except (KeyError, ValueError):
+                continue  # a malformed row is not a measurement
+            out.setdefault(row["family"], []).append(entry)
+    return out
+
+
+def clear() -> None:
+    """Forget loaded tables and architectures (after a new table is written)."""
+    table.cache_clear()
+    with _lock:
+        _arch.clear()
+
+
+def arch_of(device: Any) -> Optional[str]:
+    """"sm90" for a CUDA device of compute capability 9.0, None for other devices."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    got = _arch.get(device)
+    if got is None:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(device)
+        got = f"sm{major}{minor}"
+        with _lock:
+            if len(_arch) < _MAX_DEVICES:
+                _arch[device] = got
+    return got
+
+
+def family(problem: Any) -> str:
+    """The family of a StaticProblem: "kind/mask/mod/softmax_type/mha|gqa/d<D>"."""
+    spec = problem.spec
+    mod = spec.score_mod
+    band = spec.band
+    native = getattr(mod, "native_band", None) if mod is not None else None
+    if native is not None and band is None:
+        band_left, band_right = native[0], native[1]
+        mod_kind = "none"
+    else:
+        band_left, band_right = (band.left, band.right) if band is not None else (None, None)
+        mod_kind = "none" if mod is None else ("softcap" if getattr(mod, "base_name", "") == "softcap" else "mod")
+    if band is None and native is None:
+        mask = "none"
+    elif band_left is None and band_right == 0:
+        mask = "causal"
+    else:
+        mask = "window"
+    kind = "thd" if spec.is_packed else "dense"
+    heads = "gqa" if problem.heads != problem.kv_heads else "mha"
+    return f"{kind}/{mask}/{mod_kind}/{spec.softmax_type}/{heads}/d{problem.head_dim}"
+
+
+def seq_of(problem: Any) -> int:
+    """The length a problem is compared by: Skv (dense) or the max_seqlen bucket (thd; 0 unknown)."""
+    return int(problem.seqlen_kv or 0)
+
+
+def _nearest(rows: Sequence[Tuple[int, str, float, float]], seq: int) -> Dict[str, Tuple[int, float, float]]:
+    """engine -> (seq, fwd, fwd_bwd) of each engine's row nearest to `seq` (log distance)."""
+    best: Dict[str, Tuple[float, Tuple[int, float, float]]] = {}
+    for s, engine, fwd, both in rows:
+        dist = abs(math.log2(max(s, 1)) - math.log2(max(seq, 1)))
+        if engine not in best or dist < best[engine][0]:
+            best[engine] = (dist, (s, fwd, both))
+    return {e: v for e, (_, v) in best.items()}
+
+
+def rank(problem: Any, candidates: Sequence[str]) -> Tuple[List[str], str]:
+    """(candidates in the order to try, why that order). Only engines with a measured row of the
+    problem's family move; the rest keep their default order after them."""
+    candidates = list(candidates)
+    arch = arch_of(problem.device)
+    if arch is None or len(candidates) < 2:
+        return candidates, ""
+    fam = family(problem)
+    rows = table(arch).get(fam)
+    if not rows:
+        return candidates, f"no measurement for {fam} on {arch}: the default order"
+    seq = seq_of(problem)
+    near = _nearest(rows, seq)
+    column = 2 if problem.needs_grad else 1
+    measured = [c for c in candidates if c in near]
+    if len(measured) < 2:
+        return candidates, f"fewer than two measured engines for {fam} on {arch}: the default order"
+    measured.sort(key=lambda e: near[e][column])
+    rest = [c for c in candidates if c not in near]
+    what = "fwd+bwd" if problem.needs_grad else "fwd"
+    times = ", ".join(f"{e} {near[e][column]:.3f} ms" for e in measured)
+    return measured + rest, f"measured on {arch} for {fam} near S={near[measured[0]][0]} ({what}: {times})"

@@ -1,0 +1,170 @@
+"""The FA4 engine on the GPU: every native feature and every lowered score_mod against the
+library's float64 reference, forward and gradients, with the project's tolerance rule
+(`fused_attn.testing.bound_from`: factor x the same-dtype error of the reference run in bf16).
+Skipped where flash-attn-4 or a sm90 / sm100 GPU is missing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import score_mods as sm
+
+pytestmark = pytest.mark.gpu
+
+fused_attn = pytest.importorskip("fused_attn")
+from fused_attn import engines, testing  # noqa: E402
+
+if not torch.cuda.is_available() or not engines.available("fa4"):
+    pytest.skip("needs a CUDA GPU and flash-attn-4", allow_module_level=True)
+if torch.cuda.get_device_capability()[0] not in (9, 10):
+    pytest.skip("the FA4 engine runs on sm90 / sm100", allow_module_level=True)
+
+DEV = torch.device("cuda")
+DT = torch.bfloat16
+
+
+def _rand(*shape, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEV)
+
+
+def _run(backend, dtype, q, k, v, dout, sinks=None, **kw):
+    leaves = [t.to(dtype).detach().requires_grad_(True) for t in (q, k, v)]
+    sink_leaf = None if sinks is None else sinks.detach().float().requires_grad_(True)
+    if sink_leaf is not None:
+        kw["sinks"] = sink_leaf
+    got = fused_attn.dot_product_attention(*leaves, backend=backend, **kw)
+    out, lse = got if kw.get("return_lse") else (got, None)
+    out.backward(dout.to(dtype))
+    grads = [t.grad for t in leaves] + ([sink_leaf.grad] if sink_leaf is not None else [])
+    return out, lse, grads
+
+
+def check(name, q, k, v, dout, sinks=None, **kw):
+    """fa4 vs the float64 reference, out (and lse) and every gradient, bounds from the bf16 reference."""
+    exact = _run("reference", torch.float64, q, k, v, dout, sinks, **kw)
+    same = _run("reference", DT, q, k, v, dout, sinks, **kw)
+    got = _run("fa4", DT, q, k, v, dout, sinks, **kw)
+    testing.assert_close(got[0].float(), exact[0], testing.bound_from(same[0], exact[0], DT), f"{name} out")
+    if kw.get("return_lse"):
+        testing.assert_close(got[1].double(), exact[1], testing.bound_from(same[1], exact[1], DT), f"{name} lse")
+    for what, g, e, s in zip(("dq", "dk", "dv", "dsinks"), got[2], exact[2], same[2]):
+        assert g is not None and torch.isfinite(g).all(), f"{name} {what}: missing or non-finite"
+        testing.assert_close(g.double(), e, testing.bound_from(s, e, DT), f"{name} {what}")
+
+
+def _explained(**kw):
+    q = torch.randn(1, 128, 4, 64, device=DEV, dtype=DT)
+    return fused_attn.explain(q, q, q, **kw)
+
+
+NATIVE = {
+    "plain": dict(),
+    "causal": dict(attn_mask_type="causal"),
+    "causal_bottom_right_sq_lt_skv": dict(attn_mask_type="causal_bottom_right", sq=96),
+    "window_64_0": dict(window_size=(64, 0), attn_mask_type="causal"),
+    "window_32_16": dict(window_size=(32, 16)),
+    "gqa_causal": dict(attn_mask_type="causal", hkv=2),
+    "mqa": dict(hkv=1),
+    "softcap": dict(score_mod=sm.softcap(20.0), attn_mask_type="causal"),
+    "sinks_learnable_window": dict(softmax_type="learnable", window_size=(32, 0), attn_mask_type="causal"),
+    "sinks_off_by_one": dict(softmax_type="off-by-one"),
+    "lse": dict(return_lse=True, attn_mask_type="causal"),
+    "deterministic": dict(deterministic=True, attn_mask_type="causal"),
+    "head_dim_128": dict(d=128),
+    "mod_sliding_window": dict(score_mod=sm.sliding_window(48, 0)),
+}
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
+@pytest.mark.parametrize("case", list(NATIVE))
+def test_native_feature_matches_reference(case, fmt):
+    kw = dict(NATIVE[case])
+    b, h, skv = 2, 4, 256
+    sq, hkv, d = kw.pop("sq", skv), kw.pop("hkv", h), kw.pop("d", 64)
+    shapes = {"bshd": lambda s, n: (b, s, n, d), "sbhd": lambda s, n: (s, b, n, d), "bhsd": lambda s, n: (b, n, s, d)}
+    q, dout = _rand(*shapes[fmt](sq, h), seed=1), _rand(*shapes[fmt](sq, h), seed=4)
+    k, v = _rand(*shapes[fmt](skv, hkv), seed=2), _rand(*shapes[fmt](skv, hkv), seed=3)
+    sinks = _rand(h, seed=5) if kw.get("softmax_type") == "learnable" else None
+    check(f"{case} {fmt}", q, k, v, dout, sinks, qkv_format=fmt, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_thd_varlen_matches_reference(causal):
+    lens = [5, 130, 64, 257]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    t, h, d = int(cu[-1]), 4, 64
+    q, k, v, dout = (_rand(t, h, d, seed=s) for s in range(4))
+    check(f"thd causal={causal}", q, k, v, dout, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+          max_seqlen_q=max(lens), max_seqlen_kv=max(lens), attn_mask_type="padding_causal" if causal else "padding")
+
+
+def test_thd_softcap_gqa_matches_reference():
+    lens = [100, 33, 200]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    t = int(cu[-1])
+    q, dout = _rand(t, 8, 64, seed=1), _rand(t, 8, 64, seed=2)
+    k, v = _rand(t, 2, 64, seed=3), _rand(t, 2, 64, seed=4)
+    check("thd softcap gqa", q, k, v, dout, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+          max_seqlen_q=200, max_seqlen_kv=200, attn_mask_type="padding_causal", score_mod=sm.softcap(30.0))
+
+
+from test_score_mods_zoo import H as ZH, S as ZS, zoo  # noqa: E402
+
+ZOO_REFUSED = {"morton_natten": "rshift", "power_mod": "pow"}
+
+
+@pytest.mark.parametrize("name", list(zoo()))
+def test_zoo_mod_lowered_to_cute_matches_reference(name):
+    mod, _ = zoo(device=DEV, dtype=torch.float32)[name]
+    q, k, v, dout = (_rand(1, ZH, ZS, 64, seed=s) for s in range(4))
+    if name in ZOO_REFUSED:
+        with pytest.raises(NotImplementedError, match=ZOO_REFUSED[name]):
+            _run("fa4", DT, q, k, v, dout, qkv_format="bhsd", score_mod=mod)
+        return
+    trained = {n for n, t in mod.tensors().items() if t.requires_grad}
+    if trained:  # FA4 has no gradient for tables: refused with the reason
+        with pytest.raises(NotImplementedError, match="need a gradient"):
+            _run("fa4", DT, q, k, v, dout, qkv_format="bhsd", score_mod=mod)
+        return
+    check(f"zoo {name}", q, k, v, dout, qkv_format="bhsd", score_mod=mod)
+
+
+def test_window_value_change_reaches_the_kernel():
+    """A module's sliding window changed between calls runs the new window (no frozen value)."""
+    q = torch.randn(1, 256, 4, 64, device=DEV, dtype=DT)
+    attn = fused_attn.DotProductAttention(4, 64, score_mod=sm.sliding_window(2, 0), backend="fa4")
+    attn(q, q, q)
+    attn.score_mod = sm.sliding_window(64, 0)
+    got = attn(q, q, q)
+    exact = fused_attn.dot_product_attention(q.double(), q.double(), q.double(), score_mod=sm.sliding_window(64, 0),
+                                             backend="reference")
+    same = fused_attn.dot_product_attention(q, q, q, score_mod=sm.sliding_window(64, 0), backend="reference")
+    testing.assert_close(got.double(), exact, testing.bound_from(same, exact, DT), "window 64 after window 2")
+
+
+def test_scalar_value_change_keeps_the_compiled_kernel():
+    """A generated mod's float parameter is an aux scalar: a new value gives new outputs, right."""
+    from score_mods import score_mod
+
+    @score_mod
+    def tilt(score, b, h, q_idx, kv_idx, slope=0.5):
+        return score - slope * abs(q_idx - kv_idx)
+
+    q = torch.randn(1, 128, 4, 64, device=DEV, dtype=DT)
+    a = fused_attn.dot_product_attention(q, q, q, score_mod=tilt(slope=0.5), backend="fa4")
+    b = fused_attn.dot_product_attention(q, q, q, score_mod=tilt(slope=0.01), backend="fa4")
+    exact = fused_attn.dot_product_attention(q.double(), q.double(), q.double(), score_mod=tilt(slope=0.01),
+                                             backend="reference")
+    same = fused_attn.dot_product_attention(q, q, q, score_mod=tilt(slope=0.01), backend="reference")
+    assert not torch.equal(a, b)
+    testing.assert_close(b.double(), exact, testing.bound_from(same, exact, DT), "slope 0.01 after 0.5")
+
+
+def test_explain_names_fa4_and_refusals():
+    assert _explained(backend="fa4").backend == "fa4"
+    with pytest.raises(NotImplementedError, match="dropout"):
+        _explained(backend="fa4", dropout_p=0.1)
+    auto = _explained(attn_mask_type="causal")
+    assert auto.backend in ("fa4", "cudnn") and auto.reason
