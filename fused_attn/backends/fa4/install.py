@@ -86,3 +86,38 @@ def arch_refusal(device: torch.device) -> Optional[str]:
     if major not in SUPPORTED_MAJORS:
         return (f"the FA4 engine runs on sm90 (Hopper) and sm100 (Blackwell); {device} is sm{major}{minor}")
     return None
+
+
+#: FA4's compile caches that a forward / backward call of this engine goes through
+_KERNEL_CACHES = (("_flash_attn_fwd", "fwd"), ("_flash_attn_bwd", "bwd"), ("_bwd_preprocess", "bwd_pre"),
+                  ("_bwd_postprocess_convert", "bwd_post"), ("_bwd_dsink_reduce", "bwd_dsink"),
+                  ("_compute_tile_cumsum", "tile_cumsum"), ("_compute_blocks_to_batch", "blocks_to_batch"),
+                  ("_get_scheduler_metadata", "scheduler_metadata"))
+
+
+def persist_kernels(directory: Optional[Any]) -> None:
+    """Keep FA4's compiled kernels in `<directory>/fa4/<FA4 source fingerprint>/` (the library's
+    persistent cache directory, `graph_cache.set_persistent_dir`), so a later process loads a
+    configuration's kernels instead of compiling them (seconds). Kernels compiled so far stay in
+    memory; None leaves FA4's caches as they are. FA4 keys its files on the kernel configuration
+    and the score_mod's structural hash (`cute_load`), never on a Python object."""
+    if directory is None:
+        return
+    from pathlib import Path
+
+    from flash_attn.cute import cache_utils
+
+    interface = module()
+    root = Path(directory) / "fa4" / cache_utils._compute_source_fingerprint()
+    with _lock:
+        for attr, name in _KERNEL_CACHES:
+            fn = getattr(interface, attr, None)
+            current = getattr(fn, "compile_cache", None)
+            if current is None:
+                continue
+            target = root / name
+            if getattr(current, "cache_path", None) == target:
+                continue
+            fresh = cache_utils.JITPersistentCache(target)
+            fresh.cache.update(getattr(current, "cache", {}))
+            fn.compile_cache = fresh

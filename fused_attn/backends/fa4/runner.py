@@ -17,6 +17,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ...cache import GRAPH_CACHE
 from ...problem import Band
 from . import cute_load, install
 from .support import Plan, window
@@ -47,6 +48,16 @@ def _aux_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous()
 
 
+def _scalar(value: Any) -> Any:
+    """A runtime scalar as the CuTe DSL passes it to the kernel (a Python number would be read
+    as a compile-time constant, or not at all): cutlass.Int32 / cutlass.Float32."""
+    import cutlass
+
+    if isinstance(value, bool) or not isinstance(value, int):
+        return cutlass.Float32(float(value))
+    return cutlass.Int32(value)
+
+
 class Fa4Runner:
     """forward -> (out in the query's format, lse or None, saved (q, k, v, out, lse), state);
     backward -> (dq, dk, dv[, d_sinks]) in the inputs' layouts."""
@@ -62,6 +73,8 @@ class Fa4Runner:
         self.scale = float(problem.scale)
         self.deterministic = bool(spec.deterministic)
         self.return_lse = bool(spec.return_lse)
+        store = GRAPH_CACHE.store
+        install.persist_kernels(None if store is None else store.directory)
         self.fns = None if plan.source is None else cute_load.load(plan.source)
         self.quirks: Tuple[str, ...] = ()
 
@@ -89,7 +102,7 @@ class Fa4Runner:
             tensors = mod.tensors()
             values = mod.scalars_typed() if hasattr(mod, "scalars_typed") else mod.scalars()
             args["aux_tensors"] = [_aux_tensor(tensors[n]) for n in source.tensors] or None
-            args["aux_scalars"] = tuple(values[n] for n in source.scalars) or None
+            args["aux_scalars"] = tuple(_scalar(values[n]) for n in source.scalars) or None
         return args
 
     # -- the runner interface
