@@ -33,7 +33,7 @@ import torch
 from . import expr, parts
 from .bands import band_of
 from .base import ScoreMod, meta_like
-from .expr import Node
+from .expr import Node, structure_key
 from .origins import _register_origin, origin_named  # noqa: F401 - origin_named re-exported
 from .parts import pure_mask_condition
 from .traced_cudnn import CudnnLowering
@@ -267,9 +267,7 @@ class TracedMod(CudnnLowering, EagerAdapters, ScoreMod):
     def cache_key(self) -> Hashable:
         got = self.__dict__.get("_cache_key")
         if got is None:
-            order = expr.topo_order(self.root)
-            index = {n: i for i, n in enumerate(order)}
-            dag = tuple((n.op, expr.exact(n.attr), n.dtype, tuple(index[a] for a in n.args)) for n in order)
+            dag = structure_key(self.root)
             tparams = []
             for p, s in self.specs.items():
                 if s.kind == "tensor":

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from ..optable import BOOL_OPS, CMP_OPS, SYMBOL, fold  # noqa: F401 - re-exported
 from .dag import (  # noqa: F401 - re-exported
-    INDEX_AXES, LENGTHS, Node, Reads, const, direct_axes, exact, leaves, reads, show, substitute, topo_order, what,
+    INDEX_AXES, LENGTHS, Node, Reads, const, direct_axes, exact, leaves, reads, show, structure_key, substitute,
+    topo_order, topo_tuple, what,
 )
 from .hints import TORCH_TO_SM  # noqa: F401 - re-exported
 from .namespace import (  # noqa: F401 - re-exported

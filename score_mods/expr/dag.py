@@ -79,6 +79,21 @@ def topo_order(root: Node) -> list:
     return order
 
 
+@functools.lru_cache(maxsize=4096)
+def topo_tuple(root: Node) -> Tuple[Node, ...]:
+    """`topo_order(root)` as a tuple, memoized per structure (bounded; nodes hold no tensors): for
+    the per-call paths (a fresh mod of a known structure, a scalar folded per call)."""
+    return tuple(topo_order(root))
+
+
+@functools.lru_cache(maxsize=1024)
+def structure_key(root: Node) -> tuple:
+    """The DAG as nested tuples of (op, exact attr, kind, operand positions), memoized per structure."""
+    order = topo_tuple(root)
+    index = {n: i for i, n in enumerate(order)}
+    return tuple((n.op, exact(n.attr), n.dtype, tuple(index[a] for a in n.args)) for n in order)
+
+
 def leaves(root: Node, op: str) -> list:
     return [n for n in topo_order(root) if n.op == op]
 

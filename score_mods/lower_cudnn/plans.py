@@ -10,7 +10,7 @@ import torch
 
 from .. import optable
 from ..autodiff import grad_dag
-from ..expr import Node, const, show, substitute, topo_order
+from ..expr import Node, const, show, substitute, topo_order, topo_tuple
 from .facts import AXIS_LETTER, Facts, is_scalar
 from .guards import _masked_stays_masked, _zero_where_no_gradient
 from .rewrite import Materialized, _anchored, _Rewriter
@@ -203,7 +203,7 @@ def plan_for(root: Node) -> Plan:
 def eval_scalar(n: Node, params: Dict[str, float], lengths: Optional[Dict[str, int]] = None) -> float:
     """Host value of a scalar node (Python semantics; float math never raises, see optable)."""
     vals: Dict[Node, Any] = {}
-    for x in topo_order(n):
+    for x in topo_tuple(n):
         a = [vals[y] for y in x.args]
         if x.op == "const":
             v = x.attr
