@@ -107,8 +107,12 @@ class DenseRunner(PaddedKeysBackward):
                      or (self.has_mod and bias is not None
                          and quirks.applies("nan_dq_kv_64_mod_128_score_mod_bias", version)))):
             bwd_key, bwd_lowering = self._padded_backward(common, bias_desc, version)
-        self.quirks = _shaping_quirks(version, self.has_mod, self.kv_pad, self.lowering.band is not None
-                                      or spec.band is not None)
+        padded_for = ()
+        if self.kv_pad:
+            padded_for = tuple(n for n in ("nan_dq_kv_64_mod_128", "nan_dq_kv_64_mod_128_score_mod_bias")
+                               if quirks.applies(n, version))[:1]
+        self.quirks = quirks.shaping(version, score_mod=self.has_mod, padded_keys=padded_for,
+                                     banded=self.lowering.band is not None or spec.band is not None)
         self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev, bwd_lowering)
         self.graphs.build_all()
 
@@ -312,15 +316,3 @@ class DenseRunner(PaddedKeysBackward):
                 gl = g.permute(_PERM[self.fmt])
                 gl.masked_fill_(torch.arange(gl.shape[2], device=g.device).view(1, 1, -1, 1) >= lens, 0.0)
         return tuple(grads) + tuple(extra_grads)
-
-
-def _shaping_quirks(version: int, has_mod: bool, kv_pad: int, banded: bool) -> Tuple[str, ...]:
-    """The quirk entries that shaped a dense plan (what `explain` lists)."""
-    got = []
-    if kv_pad:
-        got.append("nan_dq_kv_64_mod_128")
-    if has_mod and quirks.applies("score_reused_in_pointwise", version):
-        got.append("score_reused_in_pointwise")
-    if has_mod and banded and quirks.applies("band_next_to_score_mod", version):
-        got.append("band_next_to_score_mod")
-    return tuple(got)

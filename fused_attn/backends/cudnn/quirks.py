@@ -25,7 +25,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, Iterator, Optional, Tuple
 
-__all__ = ["Quirk", "QUIRKS", "TESTED_VERSIONS", "applies", "active", "lifted", "version_string", "untested_notice",
+__all__ = ["Quirk", "QUIRKS", "TESTED_VERSIONS", "applies", "shaping", "active", "lifted", "version_string", "untested_notice",
            "upgrade_hint"]
 
 #: cuDNN versions the GPU suite runs on (torch 2.11's pin, and the newest).
@@ -179,6 +179,22 @@ _LIFTED: "contextvars.ContextVar[FrozenSet[str]]" = contextvars.ContextVar("fuse
 def applies(name: str, version: int) -> bool:
     """Whether quirk `name` applies on cuDNN `version` (and is not lifted in this context)."""
     return name not in _LIFTED.get() and QUIRKS[name].applies(version)
+
+
+def shaping(version: int, *, score_mod: bool, banded: bool, padded_keys: Tuple[str, ...] = (),
+            sink_split: bool = False) -> Tuple[str, ...]:
+    """The entries whose workarounds shaped one plan (what `explain` lists), one rule for every
+    runner: the sink-free ragged backward (`sink_split`), the padded-key backward (the entries
+    that asked for it, `padded_keys`), and the score_mod graph's isolation and band handling."""
+    got = []
+    if sink_split:
+        got.append("ragged_sink_backward")
+    got.extend(padded_keys)
+    if score_mod and applies("score_reused_in_pointwise", version):
+        got.append("score_reused_in_pointwise")
+    if score_mod and banded and applies("band_next_to_score_mod", version):
+        got.append("band_next_to_score_mod")
+    return tuple(got)
 
 
 def active(version: int) -> Tuple[str, ...]:

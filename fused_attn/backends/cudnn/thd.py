@@ -89,11 +89,8 @@ class ThdRunner:
         # exp(s - lse) and D = rowsum(dO * O) are the sink-aware ones, so dQ, dK, dV are exact,
         # and dSink = -sum_t exp(sink - lse_t) D_t is a reduction (`_sink_grad`).
         self.sink_in_bwd = self.sinks is not None and not quirks.applies("ragged_sink_backward", version)
-        self.quirks = tuple(name for name, on in (
-            ("ragged_sink_backward", self.sinks is not None and not self.sink_in_bwd),
-            ("score_reused_in_pointwise", self.has_mod and quirks.applies("score_reused_in_pointwise", version)),
-            ("band_next_to_score_mod", self.has_mod and spec.band is not None
-             and quirks.applies("band_next_to_score_mod", version))) if on)
+        self.quirks = quirks.shaping(version, score_mod=self.has_mod, banded=spec.band is not None,
+                                     sink_split=self.sinks is not None and not self.sink_in_bwd)
         bwd_common = dict(common, sinks=self.sink_in_bwd)
         bwd_key = GraphKey(direction="bwd", deterministic=spec.deterministic, **bwd_common) if p.needs_grad else None
         self.graphs = Graphs(fwd_key, bwd_key, self.lowering.graph_mod, operands, self.dev)
