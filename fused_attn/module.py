@@ -83,7 +83,9 @@ class DotProductAttention(nn.Module):
         cp_group: a process group for context parallelism (None: none). The module then takes
             each rank's sequence shard (`fused_attn.distributed.shard_sequence`) and returns its
             shard of the output, as `fused_attn.distributed.context_parallel_attention`.
-        cp_comm: "ring" (K/V exchanged point to point, overlapped with compute) or "all_gather".
+        cp_comm: "ring" (K/V exchanged point to point, overlapped with compute), "all_gather",
+            "all_to_all" (head-parallel: heads and kv heads multiples of the group size) or
+            "auto" (all_to_all when the heads divide, else ring).
         cp_layout: "load_balanced" (rank r holds chunks r and 2N-1-r) or "contiguous".
 
     forward(query, key, value, **overrides): any keyword of `dot_product_attention`

@@ -8,9 +8,9 @@ distributed one to the project's rule applied to the single-GPU computation:
 
 for the output and for dq, dk, dv.
 
-Run either way (both need >= 2 GPUs):
-    python -m pytest -q -m gpu tests/test_distributed_gpu.py            # spawns 2 NCCL processes
-    torchrun --nproc-per-node 2 -m pytest -q -m gpu tests/test_distributed_gpu.py
+Run either way (both need >= 2 GPUs; plain pytest uses every visible GPU):
+    python -m pytest -q -m gpu tests/test_distributed_gpu.py            # one NCCL process per GPU
+    torchrun --nproc-per-node 4 -m pytest -q -m gpu tests/test_distributed_gpu.py
 """
 
 from __future__ import annotations
@@ -190,8 +190,21 @@ def thd_position_mod_refused(rank: int, world: int) -> None:
                                       score_mod=alibi(alibi_slopes(4).cuda()))
 
 
+def cp_thd_heads_position_mod(rank: int, world: int) -> None:
+    """Head-parallel packed batches with a score_mod that reads positions run on cuDNN (the call
+    sees the global sequence: no per-sequence offsets)."""
+    import score_mods as sm
+
+    u = 2 * world
+    lens = [256 * u, 64 * u, 0, 128 * u]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
+    kw = dict(qkv_format="thd", attn_mask_type="causal", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+              max_seqlen_kv=max(lens), score_mod=sm.alibi(sm.alibi_slopes(8).cuda()))
+    _compare_cp(rank, world, kw, "all_to_all", (int(cu[-1]), 8, 128), fmt="thd", cu=cu)
+
+
 CASES: Dict[str, Callable] = {}
-for _comm in ("ring", "all_gather"):
+for _comm in ("ring", "all_gather", "all_to_all"):
     CASES[f"cp_dense_{_comm}_no_mask"] = cp_dense(_comm, "no_mask")
     CASES[f"cp_dense_{_comm}_causal"] = cp_dense(_comm, "causal")
     CASES[f"cp_dense_{_comm}_causal_softcap"] = cp_dense(_comm, "causal", softcap=True)
@@ -201,9 +214,13 @@ CASES["module_cp_ring_causal"] = lambda rank, world: _compare_cp(rank, world, di
                                                                   (2, 512 * world, 8, 128), module=True)
 CASES["dtensor_batch"] = dtensor_sharding(0)
 CASES["dtensor_heads"] = dtensor_sharding(2)
-for _comm, _which in itertools.product(("ring", "all_gather"), ("alibi", "causal_mod", "window_mod", "bias")):
+for _comm, _which in itertools.product(("ring", "all_gather", "all_to_all"), ("alibi", "causal_mod", "window_mod",
+                                                                           "bias")):
     CASES[f"cp_{_comm}_{_which}"] = cp_position_mod(_comm, _which)
 CASES["cp_thd_position_mod_refused_on_cudnn"] = thd_position_mod_refused
+CASES["cp_thd_all_to_all_alibi"] = cp_thd_heads_position_mod
+CASES["module_cp_auto_causal"] = lambda rank, world: _compare_cp(rank, world, dict(attn_mask_type="causal"), "auto",
+                                                                  (2, 512 * world, 8, 128), module=True)
 
 
 # ----------------------------------------------------------------------------- running
@@ -239,7 +256,8 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 @pytest.fixture(scope="module")
 def run_case(tmp_path_factory):
-    """torchrun: init NCCL once and run each case in place; plain pytest: spawn 2 processes once."""
+    """torchrun: init NCCL once and run each case in place; plain pytest: spawn one process per
+    visible GPU (at least 2) once."""
     import torch.distributed as dist
 
     if _under_torchrun():
@@ -255,7 +273,7 @@ def run_case(tmp_path_factory):
         return
     import torch.multiprocessing as mp
 
-    world = 2
+    world = torch.cuda.device_count()
     outdir = str(tmp_path_factory.mktemp("gpu_dist"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -266,7 +284,7 @@ def run_case(tmp_path_factory):
         if time.monotonic() > end:
             for p in ctx.processes:
                 p.kill()
-            raise TimeoutError("the 2-GPU group did not finish in 900 s")
+            raise TimeoutError(f"the {world}-GPU group did not finish in 900 s")
     merged: Dict[str, Any] = {}
     for r in range(world):
         with open(os.path.join(outdir, f"gpu_results_{r}.json")) as f:
