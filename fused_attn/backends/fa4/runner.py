@@ -147,8 +147,10 @@ class Fa4Runner:
 
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out, dest=None):
         """Gradients of one chunk of a larger attention whose output and fp32 lse are given."""
-        grads = self._backward(q, k, v, out, lse.detach().to(torch.float32).contiguous(), varlen, mod, sinks,
-                               grad_out)
+        lse = lse.detach().to(torch.float32)
+        # rows with lse -inf (no key anywhere) weigh nothing: exp(s - inf) = 0, where -inf would give inf
+        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()
+        grads = self._backward(q, k, v, out, lse, varlen, mod, sinks, grad_out)
         if dest is None:
             return grads
         for d, g in zip(dest[1:], grads[1:3]):

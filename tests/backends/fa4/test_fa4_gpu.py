@@ -225,3 +225,23 @@ def test_thd_rows_past_the_last_sequence(poison):
         assert (g[199:] == 0).all()
     check("thd with a tail", *clean, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=129,
           max_seqlen_kv=129, attn_mask_type="padding_causal")
+
+
+def test_backward_with_a_given_lse_matches_the_reference():
+    """attention_backward (a context-parallel piece's backward) on FA4 with a given output and lse,
+    rows that see no key at all (lse -inf) included: Sq 256 > Skv 128 under a bottom-right causal
+    mask leaves the first 128 query rows without keys."""
+    from fused_attn.functional import attention_backward
+
+    q, dout = _rand(1, 256, 4, 64, seed=1).to(DT), _rand(1, 256, 4, 64, seed=4).to(DT)
+    k, v = _rand(1, 128, 4, 64, seed=2).to(DT), _rand(1, 128, 4, 64, seed=3).to(DT)
+    kw = dict(attn_mask_type="causal_bottom_right")
+    out, lse = fused_attn.dot_product_attention(q, k, v, return_lse=True, backend="reference", **kw)
+    assert torch.isneginf(lse[:, :, :128]).all()
+    got = attention_backward(q, k, v, out, lse, dout, backend="fa4", **kw)
+    same = attention_backward(q, k, v, out, lse, dout, backend="reference", **kw)
+    exact = attention_backward(*(t.double() for t in (q, k, v, out)), lse.double(), dout.double(),
+                               backend="reference", **kw)
+    for what, g, r, e in zip(("dq", "dk", "dv"), got, same, exact):
+        assert torch.isfinite(g).all(), what
+        testing.assert_close(g.double(), e, testing.bound_from(r, e, DT), f"given-lse {what}")
