@@ -14,7 +14,7 @@ choice. For each, forward only and training (forward + backward):
 * enqueue_ms: host time per call while the GPU is busy (behind the sleep).
 
 A probe: it times, it does not check results (the GPU tests compare every strategy with the
-float64 reference: tests/test_cudnn_gpu.py::test_banded_score_mod_in_rectangles_matches_float64).
+float64 reference: tests/backends/cudnn/test_cudnn_gpu.py::test_banded_score_mod_in_rectangles_matches_float64).
 Writes band_strategies_<gpu>.md / .csv.
 """
 

@@ -6,7 +6,7 @@
 #   `pip install 'nvidia-cudnn-cu13==9.27.*'` in place of torch's copy); the run stops when the loaded
 #   library is another one. "any" (default) takes whatever loads.
 # A test that breaks the CUDA context (an illegal address) ends its pytest-xdist worker
-# (tests/cuda_isolation.py), so the failure stays with that test.
+# (tests/helpers/cuda_isolation.py), so the failure stays with that test.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUTDIR [quick|full] [all|tests|bench] [CUDNN]}
 mode=${2:-quick}
@@ -23,13 +23,13 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 rc=0
 if [ "$what" != bench ]; then
     extra=()
-    if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n 8 -p cuda_isolation); fi
+    if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n 8 -p helpers.cuda_isolation); fi
     if python3 -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout 300); fi
     PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE \
-        "${extra[@]}" --ignore tests/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1
+        "${extra[@]}" --ignore tests/distributed/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1
     tail -45 "$out/gpu_tests.log"
     if [ "$ngpu" -ge 2 ]; then
-        python3 -m pytest -q -m gpu tests/test_distributed_gpu.py -p no:cacheprovider -rfE \
+        python3 -m pytest -q -m gpu tests/distributed/test_distributed_gpu.py -p no:cacheprovider -rfE \
             > "$out/gpu_distributed_tests.log" 2>&1 || rc=1
         tail -15 "$out/gpu_distributed_tests.log"
     fi

@@ -282,7 +282,7 @@ def _build_rows(device) -> List[Dict[str, object]]:
 def _persistent_rows(device, gen) -> List[Dict[str, object]]:
     """First fwd+bwd call of a new shape with a persistent directory: built and stored, then
     loaded after graph_cache.clear() (what a restarted process finds; a new process also pays
-    its own handle creation, see tests/test_plan_gpu.py::test_persistent_cache_*)."""
+    its own handle creation, see tests/backends/cudnn/test_plan_gpu.py::test_persistent_cache_*)."""
     import tempfile
 
     import fused_attn

@@ -1,6 +1,6 @@
-"""Every cuDNN quirk entry against the cuDNN this process loaded: its probe (quirk_probes.py) runs
-the plain path in a process of its own and must show the fault exactly where the entry says it
-applies, and be exact right outside it. A cuDNN upgrade that fixes or breaks something fails
+"""Every cuDNN quirk entry against the cuDNN this process loaded: its probe
+(tests/helpers/quirk_probes.py) runs the plain path in a process of its own and must show the fault
+exactly where the entry says it applies, and be exact right outside it. A cuDNN upgrade that fixes or breaks something fails
 here, naming the entry to change."""
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ import sys
 import pytest
 import torch
 
-from quirk_probes import PROBES
+from helpers.quirk_probes import PROBES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+TESTS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(TESTS)
+PROBE = os.path.join(TESTS, "helpers", "quirk_probes.py")
 
 
 def _verdict(name: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "quirk_probes.py"), name], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=HERE)
+    proc = subprocess.run([sys.executable, PROBE, name], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERDICT ")]
     if lines:
         return lines[-1][len("VERDICT "):]

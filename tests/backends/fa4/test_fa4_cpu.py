@@ -90,7 +90,7 @@ def test_unsupported_ops_are_named():
 
 
 def test_every_zoo_mod_lowers_or_names_its_op():
-    from test_score_mods_zoo import zoo
+    from helpers.zoo import zoo
 
     refused = {}
     for name, (mod, _) in zoo().items():

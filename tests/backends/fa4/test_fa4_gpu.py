@@ -110,7 +110,7 @@ def test_thd_softcap_gqa_matches_reference():
           max_seqlen_q=200, max_seqlen_kv=200, attn_mask_type="padding_causal", score_mod=sm.softcap(30.0))
 
 
-from test_score_mods_zoo import H as ZH, S as ZS, zoo  # noqa: E402
+from helpers.zoo import H as ZH, S as ZS, zoo  # noqa: E402
 
 ZOO_REFUSED = {"morton_natten": "rshift", "power_mod": "pow"}
 

@@ -1,0 +1,91 @@
+"""The command line: `python -m fused_attn` self-check, `check`, `cache`, `explain`, `bench` dispatch, help."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from fused_attn import __main__ as main_mod
+from fused_attn import selfcheck
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.slow
+def test_self_check_passes(capsys):
+    assert main_mod.main([]) == 0
+    text = capsys.readouterr().out
+    assert "checks passed" in text and "FAIL" not in text
+    assert "thd varlen causal" in text and "reference" in text
+    assert "cuDNN: " in text  # the library loaded, or why none
+
+
+def test_check_command_and_failure(monkeypatch, capsys):
+    def broken(case, *args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(selfcheck, "_run_case", broken)
+    assert main_mod.main(["check"]) == 1
+    assert "RuntimeError: boom" in capsys.readouterr().out
+
+
+def test_cache_without_a_directory_says_how(capsys):
+    assert main_mod.main(["cache"]) == 0
+    assert "--dir" in capsys.readouterr().out
+
+
+def test_cache_lists_a_persistent_directory(tmp_path, capsys):
+    from fused_attn.graph_store import GraphStore
+
+    GraphStore(tmp_path).save(("fwd", 1, 2), {"cudnn": "91900", "torch": "2.13"}, b"x" * 1000)
+    (tmp_path / ("0" * 64 + ".graph")).write_bytes(b"junk")
+    assert main_mod.main(["cache", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and "cudnn 91900" in out and "unreadable" in out and "fwd" in out
+    assert main_mod.main(["cache", "--dir", str(tmp_path / "missing")]) == 1
+
+
+def test_explain_command(capsys):
+    assert main_mod.main(["explain", "--device", "cpu", "--dtype", "float32", "--seqlen", "64", "--heads", "2",
+                          "--head-dim", "16", "--mask", "causal"]) == 0
+    assert "backend: torch" in capsys.readouterr().out  # torch's CPU kernel serves a plain causal call
+    assert main_mod.main(["explain", "--device", "cpu", "--heads", "3", "--kv-heads", "2"]) == 1
+    assert "multiple of" in capsys.readouterr().err
+
+
+def test_bench_dispatch(monkeypatch):
+    seen = []
+    fake = types.ModuleType("fused_attn.bench")
+    fake.main = lambda argv: seen.append(list(argv)) or 0
+    monkeypatch.setitem(sys.modules, "fused_attn.bench", fake)
+    import fused_attn
+
+    monkeypatch.setattr(fused_attn, "bench", fake, raising=False)
+    assert main_mod.main(["bench", "--suite", "dense"]) == 0
+    assert seen == [["--suite", "dense"]]
+
+
+def test_help_version_and_unknown(capsys):
+    assert main_mod.main(["--help"]) == 0
+    assert "cache" in capsys.readouterr().out
+    assert main_mod.main(["help", "cache"]) == 0
+    assert "--dir" in capsys.readouterr().out
+    assert main_mod.main(["cache", "--help"]) == 0
+    assert main_mod.main(["--version"]) == 0
+    import fused_attn
+
+    assert fused_attn.__version__ in capsys.readouterr().out
+    assert main_mod.main(["frobnicate"]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+def test_help_imports_no_torch():
+    code = ("import sys; from fused_attn.__main__ import main; main(['--help']); main(['cache']); "
+            "print('TORCH', 'torch' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert "TORCH False" in out

@@ -1,0 +1,187 @@
+"""Learnable tables and biases: gradients through gathers at computed indices, the additive-bias
+split for cuDNN's bias input, `trainable()`, and the materialization memo."""
+
+import math
+
+import pytest
+import torch
+
+import fused_attn
+import score_mods as sm
+from fused_attn import testing
+from helpers.zoo import H, S, grid, t5_bucket, zoo
+from score_mods import materialization
+
+#: name -> (trained tensor parameters, oracle(params) -> plain-torch score_fn)
+TABLES = {
+    "t5_bias": (["table"], lambda p: lambda s, b, h, q, k: s + p["table"][h, t5_bucket(k - q)]),
+    "sandwich": (["rel_bias", "head_scale"],
+                 lambda p: lambda s, b, h, q, k: s + p["rel_bias"][q - k + S - 1] * p["head_scale"][h]),
+    "graphormer": (["spatial"], lambda p: lambda s, b, h, q, k: s + p["spatial"][h, p["dist"][b, q, k]]),
+    "bias_under_mask": (["table"], lambda p: lambda s, b, h, q, k: (
+        20.0 * torch.tanh(s / 20.0) + p["table"][h, (k - q).clamp(-4, 4) + 4]).masked_fill(k > q, -math.inf)),
+}
+
+
+@pytest.mark.parametrize("name", list(TABLES))
+def test_table_gradients_match_float64_oracle(name):
+    """Reference backend gradients w.r.t. the tables (torch autograd through the gathers: a
+    scatter-add) == a float64 autograd oracle written in plain torch."""
+    trained, oracle = TABLES[name]
+    mod, _ = zoo()[name]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, H, S, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    dout = torch.randn(1, H, S, 16, generator=g, dtype=torch.float64)
+
+    def leaves():
+        return {n: t.detach().clone().requires_grad_(n in trained) for n, t in mod.tensors().items()}
+
+    ours = leaves()
+    out = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", score_mod=mod.bind(**ours), backend="reference")
+    got = torch.autograd.grad(out, [ours[n] for n in trained], dout)
+    theirs = leaves()
+    ref, _ = testing.reference_attention(q, k, v, 1 / math.sqrt(16), score_fn=oracle(theirs))
+    want = torch.autograd.grad(ref, [theirs[n] for n in trained], dout)
+    for n, a, e in zip(trained, got, want):
+        assert a.abs().sum() > 0, f"{n}: no gradient"
+        testing.assert_close(a, e, testing.DEFAULT_FLOOR[torch.float64] * max(1.0, float(e.abs().max())), what=f"d{n}")
+
+
+def _random_check(mod, sq=S, skv=S, seeds=3):
+    score_part, bias_part = mod.split_additive_bias()
+    idx = grid(sq=sq, skv=skv)
+    g = sm.materialize(bias_part, (1, H, sq, skv), device="cpu", dtype=torch.float64)
+    assert g.shape == (1, H, sq, skv) and g.is_contiguous()
+    for seed in range(seeds):
+        s = torch.randn(1, H, sq, skv, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 4
+        want = mod.eager(s, *idx, sq, skv)
+        got = (s if score_part is None else score_part.eager(s, *idx, sq, skv)) + g
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        fin = torch.isfinite(want)
+        torch.testing.assert_close(got[fin], want[fin], rtol=1e-12, atol=1e-12)
+        # and the bias part is itself the mod `score + g`
+        torch.testing.assert_close(bias_part.eager(s, *idx, sq, skv), s + g, rtol=0, atol=0)
+    return score_part, bias_part
+
+
+@pytest.mark.parametrize("name", ["t5_bias", "sandwich", "graphormer", "gym_alibi", "bias_under_mask"])
+def test_split_additive_bias_round_trip(name):
+    mod, _ = zoo()[name]
+    score_part, bias_part = _random_check(mod)
+    assert bias_part is not None and bias_part.mask_condition() is None
+    if name == "bias_under_mask":
+        @sm.score_mod
+        def capped_causal(score, b, h, q_idx, kv_idx, cap=1.0):
+            return sm.where(kv_idx <= q_idx, cap * sm.tanh(score / cap), -math.inf)
+
+        assert score_part.cache_key == capped_causal.cache_key and score_part.scalars() == {"cap": 20.0}
+    elif name != "gym_alibi":
+        assert score_part is None  # only the bias: cuDNN needs no score_mod at all
+
+
+def test_split_additive_bias_shapes_of_the_dag():
+    @sm.score_mod
+    def several(score, b, h, q_idx, kv_idx, t=sm.TensorParam(), u=sm.TensorParam(), w=0.5):
+        core = w * sm.tanh(score) - t[h, kv_idx - q_idx + S] + 1.0
+        return sm.where(q_idx >= 2, sm.where(kv_idx <= q_idx, core - (u[q_idx] * -2.0), -math.inf), -math.inf)
+
+    g = torch.Generator().manual_seed(3)
+    mod = several(t=torch.randn(H, 2 * S, generator=g, dtype=torch.float64), u=torch.randn(S, dtype=torch.float64))
+    score_part, bias_part = _random_check(mod)
+    assert score_part.scalars() == {"w": 0.5} and set(score_part.specs) == {"w"}
+    assert set(bias_part.specs) == {"t", "u"}
+    assert mod.trainable() == {"t": sm.Trainable(True, True), "u": sm.Trainable(True, True)}
+    capped = sm.softcap(2.0)
+    assert capped.split_additive_bias() == (capped, None)  # nothing to split: the mod itself
+
+    @sm.score_mod
+    def table_in_score(score, b, h, q_idx, kv_idx, t=sm.TensorParam(), ids=sm.TensorParam("int")):
+        return score * t[h] + t[h] + ids[q_idx]
+
+    m = table_in_score(t=torch.ones(H), ids=torch.arange(S))
+    assert m.trainable() == {"t": sm.Trainable(True, False), "ids": sm.Trainable(False, True)}
+
+
+def test_materialized_bias_gets_gradients_and_the_memo_rebuilds_nothing():
+    materialization.clear_cache()
+    mod, _ = zoo()["t5_bias"]
+    table = mod.tensors()["table"].detach().clone()
+    _, bias_part = mod.bind(table=table).split_additive_bias()
+    a = sm.materialize(bias_part, (1, H, S, S), device="cpu")
+    b = sm.materialize(bias_part, (1, H, S, S), device="cpu")
+    assert a is b and a.dtype == torch.float32
+    info = materialization.cache_info()
+    assert info["hits"] == 1 and info["misses"] == 1 and info["entries"] == 1
+    with torch.no_grad():
+        table.add_(1.0)  # an optimizer step: _version changes, the memo recomputes
+    c = sm.materialize(bias_part, (1, H, S, S), device="cpu")
+    torch.testing.assert_close(c, a + 1.0)
+    leaf = table.clone().requires_grad_(True)
+    _, trained = mod.bind(table=leaf).split_additive_bias()
+    d = sm.materialize(trained, (1, H, S, S), device="cpu", dtype=torch.float64)
+    assert d.requires_grad and materialization.cache_info()["uncached"] == 1
+    dbias = torch.randn_like(d)
+    d.backward(dbias)  # what the backend does with cuDNN's dBias
+    want = torch.zeros_like(leaf)
+    _, _, qi, ki = grid()
+    idx = t5_bucket(ki - qi).expand(1, 1, S, S)[0, 0]
+    for h in range(H):
+        want[h].index_add_(0, idx.reshape(-1), dbias[0, h].reshape(-1))
+    torch.testing.assert_close(leaf.grad, want)
+
+
+def test_memo_is_bounded_and_keyed_by_values_not_only_structure(monkeypatch):
+    materialization.clear_cache()
+    monkeypatch.setattr(materialization, "MAX_ENTRIES", 3)
+
+    @sm.mask_mod
+    def blocks(b, h, q_idx, kv_idx, bs=2):  # bit shifts: materialized (not emitted in-graph)
+        return q_idx >> bs == kv_idx >> bs
+
+    for bs in (1, 2, 3, 4):
+        ops = blocks(bs=bs).cudnn_operands((1, 1, 8, 8), device="cpu")
+        torch.testing.assert_close(ops["mat0@q"].flatten(), (torch.arange(8) >> bs).float())
+    assert materialization.cache_info()["entries"] == 3
+    first = blocks(bs=4).cudnn_operands((1, 1, 8, 8), device="cpu")["mat0@q"]
+    assert blocks(bs=4).cudnn_operands((1, 1, 8, 8), device="cpu")["mat0@q"] is first
+    assert blocks(bs=4).cudnn_operands((1, 1, 8, 9), device="cpu")["mat1@k"].shape == (1, 1, 1, 9)  # dims key it
+    # tensor values key it too (a new tensor, even at a freed one's address, never hits an old entry)
+    materialization.clear_cache()
+
+    @sm.mask_mod
+    def gathered(b, h, q_idx, kv_idx, ids=sm.TensorParam("int")):
+        return ids[q_idx // 2] == ids[kv_idx // 2]
+
+    first = gathered(ids=torch.zeros(8, dtype=torch.int64)).cudnn_operands((1, 1, 8, 8), device="cpu")["mat0@q"]
+    assert float(first.sum()) == 0.0
+    again = gathered(ids=torch.ones(8, dtype=torch.int64)).cudnn_operands((1, 1, 8, 8), device="cpu")["mat0@q"]
+    assert float(again.sum()) == 8.0
+
+
+def test_materialization_is_thread_safe():
+    import threading
+
+    materialization.clear_cache()
+
+    @sm.mask_mod
+    def blocks(b, h, q_idx, kv_idx, bs=2):  # bit shifts: materialized
+        return q_idx >> bs == kv_idx >> bs
+
+    errors = []
+
+    def work(seed):
+        try:
+            for i in range(30):
+                bs = (seed + i) % 5
+                ops = blocks(bs=bs).cudnn_operands((1, 1, 16, 16), device="cpu")
+                assert torch.equal(ops["mat0@q"].flatten(), (torch.arange(16) >> bs).float())
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert materialization.cache_info()["entries"] <= materialization.MAX_ENTRIES
