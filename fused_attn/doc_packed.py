@@ -177,7 +177,8 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enab
             "pass enable_gqa=True for grouped-query attention"
         )
     if enable_gqa and (h_kv == 0 or h_q % h_kv != 0):
-        raise ValueError(f"with enable_gqa=True, H must be a multiple of H_kv, got H={h_q} and H_kv={h_kv}")
+        raise ValueError(f"with enable_gqa=True, the number of query heads must be a multiple of kv heads, got "
+                         f"H={h_q} and H_kv={h_kv}")
 
 
 def _mask(is_causal: bool, window_size: object) -> Tuple[str, Optional[Tuple[int, int]]]:

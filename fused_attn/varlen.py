@@ -87,7 +87,8 @@ def _check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, en
             "pass enable_gqa=True for grouped-query attention"
         )
     if enable_gqa and (h_kv == 0 or h_q % h_kv != 0):
-        raise ValueError(f"with enable_gqa=True, H_q must be a multiple of H_kv, got H_q={h_q} and H_kv={h_kv}")
+        raise ValueError(f"with enable_gqa=True, the number of query heads must be a multiple of kv heads, got "
+                         f"H_q={h_q} and H_kv={h_kv}")
 
 
 def _spec(left: int, right: int, same_lengths: bool, scale: Optional[float], score_mod: object,

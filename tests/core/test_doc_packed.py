@@ -164,7 +164,7 @@ def test_qkv_errors():
         doc_packed_attn(q, k[..., :8], v, CU)
     with pytest.raises(ValueError, match="same number of heads, got H=4 and H_kv=2"):
         doc_packed_attn(q, k[:, :, :2], v[:, :, :2], CU)
-    with pytest.raises(ValueError, match="multiple of H_kv, got H=4 and H_kv=3"):
+    with pytest.raises(ValueError, match="query heads must be a multiple of kv heads, got H=4 and H_kv=3"):
         doc_packed_attn(q, k[:, :, :3], v[:, :, :3], CU, enable_gqa=True)
     with pytest.raises(ValueError, match="is_causal=True allows window_size right of -1 or 0"):
         doc_packed_attn(q, k, v, CU, is_causal=True, window_size=(2, 2))

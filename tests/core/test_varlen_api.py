@@ -206,7 +206,8 @@ def test_gqa_needs_enable_gqa():
 
 def test_gqa_heads_not_multiple():
     q, k, v, cu_q, cu_k = make([4], [4], h=4, hkv=3)
-    with pytest.raises(ValueError, match=r"multiple of H_kv, got H_q=4 and H_kv=3"):
+    # the phrase of torch's varlen_attn message ("a multiple of kv heads"), plus the head counts
+    with pytest.raises(ValueError, match=r"query heads must be a multiple of kv heads, got H_q=4 and H_kv=3"):
         varlen_attn(q, k, v, cu_q, cu_k, 4, 4, enable_gqa=True)
 
 
