@@ -1,4 +1,4 @@
-"""Tiny transformers models (`fused_attn.bench.models`), batches of every kind (dense, padded,
+"""Tiny transformers models (`benchmarks.models`), batches of every kind (dense, padded,
 packed), one forward/backward run with exact float64 eager attention, and the model-level tolerance
 rule: shared by tests/integrations/test_transformers.py (CPU) and its GPU twin.
 
@@ -21,7 +21,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from fused_attn.bench.models import build_model, model_config
+from benchmarks.models import build_model, model_config
 from fused_attn.testing import agreement_bound, bound_from, max_error
 
 FA = "fused_attn"

@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fused_attn.integrations.transformers as fa_hf  # noqa: E402
-from fused_attn.bench.models import FAMILIES, model_config  # noqa: E402
+from benchmarks.models import FAMILIES, model_config  # noqa: E402
 from fused_attn.testing import agreement_bound, max_error, reference_attention  # noqa: E402
 from helpers.hf_models import (FA, KINDS, assert_model_close, causal_lm_loss, exact_eager, make_batch,  # noqa: E402
                                models, run)
@@ -572,7 +572,7 @@ def test_model_dropout_in_training():
 
 @pytest.mark.slow
 def test_models_bench_cpu_smoke():
-    from fused_attn.bench import models as bench
+    from benchmarks import models as bench
 
     result = bench.run_model("gemma2", True, torch.device("cpu"), size="tiny", impls=(FA, "sdpa", "eager"),
                              shapes=(("B2 S16", 2, 16), ("packed 32", 1, 32)), curve_label="B2 S16",

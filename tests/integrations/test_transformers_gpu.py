@@ -27,7 +27,7 @@ pytestmark = [
 transformers = pytest.importorskip("transformers")
 
 import fused_attn.integrations.transformers as fa_hf  # noqa: E402
-from fused_attn.bench.models import FAMILIES, build_model, model_config  # noqa: E402
+from benchmarks.models import FAMILIES, build_model, model_config  # noqa: E402
 from fused_attn.testing import bound_from, grad_tolerances, max_error, tolerance  # noqa: E402
 from helpers.hf_models import KINDS, assert_model_close, exact_eager, make_batch, run  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""CPU smoke tests of the benchmark harness (fused_attn.bench): no GPU needed, a few seconds."""
+"""CPU smoke tests of the benchmark harness (the benchmarks package): no GPU needed, a few seconds."""
 
 import csv
 import math
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fused_attn.bench import cpu_smoke, dense, host, main
-from fused_attn.bench.common import (Group, Impl, ImplWrongError, attn_flops, check_impl, gpu_slug,
+from benchmarks import cpu_smoke, dense, host, main
+from benchmarks.common import (Group, Impl, ImplWrongError, attn_flops, check_impl, gpu_slug,
                                      host_us_launching, naive_attention, reference_and_bounds, varlen_flops)
-from fused_attn.bench.runner import run_config
+from benchmarks.runner import run_config
 from fused_attn.testing import agreement_bound, assert_close, bound_from, grad_tolerances, max_error, tolerance
-from fused_attn.bench.varlen import _doc_bounds, cu_seqlens, random_lengths
+from benchmarks.varlen import _doc_bounds, cu_seqlens, random_lengths
 
 
 def _read_csv(path):
@@ -279,8 +279,8 @@ def test_lengths_and_document_bounds():
 def test_mods_bench_checks_a_trained_bias_gradient_over_the_whole_batch():
     """The trained post_scale_bias rows time and check dBias (summed over every batch row): a wrong
     bias gradient fails the check."""
-    from fused_attn.bench import bench_mods as M
-    from fused_attn.bench.common import ImplWrongError, check_impl, reference_and_bounds
+    from benchmarks import mods as M
+    from benchmarks.common import ImplWrongError, check_impl, reference_and_bounds
 
     dev, (b, h, s, d) = torch.device("cpu"), (2, 2, 64, 16)
     q, k, v, do = M._inputs(dev, b, h, s, d, seed=7)
@@ -326,8 +326,8 @@ def test_host_us_launching_times_the_calls_themselves():
 def test_profiler_passes_run_after_every_suite_is_timed(tmp_path, monkeypatch):
     """torch.profiler leaves CUPTI attached after a pass: main() runs the deferred passes only
     once every suite's timings are taken, then writes the rows they filled."""
-    import fused_attn.bench as bench
-    from fused_attn.bench.runner import SuiteResult
+    import benchmarks as bench
+    from benchmarks.runner import SuiteResult
 
     events = []
 
@@ -371,7 +371,7 @@ def test_profiler_passes_run_after_every_suite_is_timed(tmp_path, monkeypatch):
 
 
 def test_a_suite_result_merges_and_runs_its_profiler_passes_once():
-    from fused_attn.bench.runner import SuiteResult
+    from benchmarks.runner import SuiteResult
 
     seen = []
     a, b = SuiteResult(), SuiteResult()
@@ -386,7 +386,7 @@ def test_a_suite_result_merges_and_runs_its_profiler_passes_once():
 @pytest.mark.slow
 def test_recompile_limit_reports_are_collected():
     """A torch.compile function past its recompile limit runs uncompiled: the models suite notes it."""
-    from fused_attn.bench.models import recompile_limit_hits
+    from benchmarks.models import recompile_limit_hits
 
     torch._dynamo.reset()
 
