@@ -340,9 +340,13 @@ def test_structured_factories_make_their_structure_once():
 
 
 def test_structure_registry_is_bounded_and_rebuilds_what_it_dropped(monkeypatch):
+    from collections import OrderedDict
+
     from score_mods import templates
 
     monkeypatch.setattr(templates, "_MAX", 2)
+    monkeypatch.setattr(templates, "_ORDER", OrderedDict())  # empty: what earlier tests built is not counted
+    monkeypatch.setattr(templates, "_SLOTS", templates._Slots())
     first = sm.sliding_window(3, 0).root
     sm.sliding_window(3, -1)
     sm.sliding_window(-1, 3, bottom_right=True)  # the first structure is dropped
