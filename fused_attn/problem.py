@@ -106,15 +106,3 @@ class AttentionProblem:
     def has_lengths(self) -> bool:
         """True when sequences have their own lengths (thd, or a padding mask type)."""
         return self.is_packed or self.seqlens_q is not None
-
-    @property
-    def num_heads(self) -> int:
-        return self.query.shape[-2] if self.is_packed else self.query.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.key.shape[-2] if self.is_packed else self.key.shape[1]
-
-    @property
-    def batch_size(self) -> int:
-        return self.cu_seqlens_q.numel() - 1 if self.is_packed else self.query.shape[0]

@@ -22,7 +22,7 @@ import torch
 from ..layouts import from_logical
 from ..problem import AttentionProblem, Band
 
-__all__ = ["refusal", "make_runner", "ReferenceRunner", "forward", "backward", "MAX_BLOCK_ELEMENTS"]
+__all__ = ["refusal", "make_runner", "ReferenceRunner", "MAX_BLOCK_ELEMENTS"]
 
 #: Upper bound on the score elements of one query block (B * H * rows * Skv).
 MAX_BLOCK_ELEMENTS = 1 << 25
@@ -191,29 +191,9 @@ def _bindable(mod, name: str) -> bool:
     return specs is not None and name in specs
 
 
-def forward(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor, None]:
-    """(out, lse, None) of an AttentionProblem without autograd (used by tools and tests)."""
-    with torch.no_grad():
-        out, lse = _compute(problem)
-    return out, lse, None
-
-
-def backward(problem: AttentionProblem, out: torch.Tensor, saved: None,
-             grad_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) shaped like problem.query/key/value, by recomputing the forward with autograd."""
-    leaves = [t.detach().requires_grad_(True) for t in (problem.query, problem.key, problem.value)]
-    sub = dataclasses.replace(problem, query=leaves[0], key=leaves[1], value=leaves[2])
-    with torch.enable_grad(), _autograd_dispatch():
-        recomputed, _ = _compute(sub)
-        if not recomputed.requires_grad:
-            return tuple(torch.zeros_like(t) for t in leaves)
-        grads = torch.autograd.grad(recomputed, leaves, grad_out, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))
-
-
 def _autograd_dispatch():
     """Re-include autograd dispatch: torch.library custom-op implementations (`fused_attn.ops`
-    calls `backward` from one) run with autograd excluded, which would make the recompute
+    runs the runner's backward from one) run with autograd excluded, which would make the recompute
     record nothing. Scoped to the recompute; a no-op in eager calls."""
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU) | torch._C.DispatchKeySet(
         torch._C.DispatchKey.AutogradCUDA)
