@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn.backends import reference
+from fused_attn.backends import reference_math
 from fused_attn.layouts import from_logical
 from fused_attn.testing import (agreement_bound, assert_close, lse_tolerance, mask_band, packed_tolerances,
                                 reference_attention, tolerance)
@@ -190,7 +190,7 @@ def test_query_blocks_match_single_block(gen, monkeypatch):
     kw = dict(qkv_format="bhsd", attn_mask_type="causal_bottom_right", window_size=(4, 0), score_mod=IndexMod(),
               return_lse=True, backend="reference")
     out1, lse1 = fused_attn.dot_product_attention(q, k, v, **kw)
-    monkeypatch.setattr(reference, "MAX_BLOCK_ELEMENTS", 4 * 2 * 20 * 5)  # 5 rows per block, 7 blocks
+    monkeypatch.setattr(reference_math, "MAX_BLOCK_ELEMENTS", 4 * 2 * 20 * 5)  # 5 rows per block, 7 blocks
     out2, lse2 = fused_attn.dot_product_attention(q, k, v, **kw)
     assert_close(out1, out2, agreement_bound(out2, torch.float32), "out")
     assert_close(lse1, lse2, agreement_bound(lse2, torch.float32), "lse")
