@@ -21,9 +21,13 @@ Writes band_strategies_<gpu>.md / .csv.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
 
 SHAPES = (("B1 H1 S1024", (1, 1024, 1, 1)), ("B4 H16/4 S2048", (4, 2048, 16, 4)), ("B2 H16/4 S4096", (2, 4096, 16, 4)),
           ("B1 H16/4 S8192", (1, 8192, 16, 4)))
@@ -74,7 +78,7 @@ def _gpu_and_enqueue_ms(fn, n=8):
 def main() -> None:
     from fused_attn.backends.cudnn import band_chunks
     from fused_attn.backends.cudnn.band_ragged import area_fraction, geometry
-    from fused_attn.bench.common import environment, host_us_per_call, print_table, write_results
+    from benchmarks.common import environment, host_us_per_call, print_table, write_results
     from fused_attn.spec import resolve_spec
 
     p = argparse.ArgumentParser()

@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import fused_attn  # noqa: E402
 import fused_attn.distributed as fd  # noqa: E402
-from fused_attn.bench.common import (ImplWrongError, attn_flops, check_tensor, env_line, environment,  # noqa: E402
+from benchmarks.common import (ImplWrongError, attn_flops, check_tensor, env_line, environment,  # noqa: E402
                                      gpu_slug, markdown_table, naive_attention, reference_and_bounds)
 from fused_attn.distributed import cp_ring  # noqa: E402
 

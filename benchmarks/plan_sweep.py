@@ -134,7 +134,7 @@ def _cu(lengths):
 
 
 def workload_doc16():
-    from fused_attn.bench.varlen import _doc_bounds
+    from benchmarks.varlen import _doc_bounds
 
     b, s, h, d = 2, 8192, 16, 64
     bounds = _doc_bounds(b, s, 16, seed=11)

@@ -2,7 +2,7 @@
 
     python benchmarks/varlen_step_profile.py [--out DIR]
 
-The step of `fused_attn.bench.steps` (N8 random lengths, multiples of 64 up to 2048, H16 D64
+The step of `benchmarks.steps` (N8 random lengths, multiples of 64 up to 2048, H16 D64
 bf16, fwd + bwd, max_seqlen given). Prints: wall and host ms per step for fused_attn, torch's
 varlen_attn and the empty-Function floor; host us of the step's pieces (the public forward
 with and without autograd, the packed-batch preparation on fresh cu_seqlens, the forward and
@@ -17,9 +17,12 @@ import cProfile
 import io
 import os
 import pstats
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: `benchmarks`
 
 
 def per_call_us(fn, args_list, repeat=3):
@@ -72,7 +75,7 @@ def dense_pieces():
     import torch.nn.functional as F
 
     import fused_attn
-    from fused_attn.bench.host import EmptyAutogradFunction
+    from benchmarks.host import EmptyAutogradFunction
     from fused_attn.plan import NO_VARLEN, get_plan
     from fused_attn.spec import resolve_spec
 
@@ -123,8 +126,8 @@ def dense_pieces():
 def main() -> None:
     import fused_attn
     from fused_attn.backends.cudnn import varlen as VL
-    from fused_attn.bench.host import EmptyAutogradFunction
-    from fused_attn.bench.steps import _batches, _step_fn
+    from benchmarks.host import EmptyAutogradFunction
+    from benchmarks.steps import _batches, _step_fn
     from fused_attn.plan import Varlen, get_plan
     from torch.nn.attention.varlen import varlen_attn as torch_varlen
 

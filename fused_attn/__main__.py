@@ -1,7 +1,8 @@
 """`python -m fused_attn` (console script `fused-attn`): the command line.
 
     fused-attn [check]        self-check table on the present device (the default command)
-    fused-attn bench ...      the benchmark suites (needs a CUDA GPU; --cpu-smoke runs the harness on CPU)
+    fused-attn bench ...      the benchmark suites, from a source checkout (needs a CUDA GPU; --cpu-smoke runs
+                              the harness on CPU)
     fused-attn cache --dir D  the persistent graph cache directory: entries, sizes, versions
     fused-attn explain ...    which backend a problem would run on, and why (computes nothing)
     fused-attn help [CMD]     this help, or one command's
@@ -65,11 +66,34 @@ def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentP
     return action.choices[name]
 
 
-def _bench(argv: List[str]) -> int:
-    from .bench import main as bench_main
+BENCH_MISSING = ("the benchmark suites are not part of the installed package: they live in the `benchmarks` "
+                 "folder of a source checkout. Run them there: git clone the repository, `pip install -e .` in it, "
+                 "then `python -m fused_attn bench ...` (or `python -m benchmarks ...`) from the checkout")
 
+
+def _benchmarks(root: Optional[str] = None):
+    """The `benchmarks` package of the checkout `root` (default: the one this fused_attn runs from),
+    or None where there is none (an installed wheel)."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "benchmarks", "__init__.py")):
+        return None
+    if root not in (os.path.abspath(p or os.curdir) for p in sys.path):
+        sys.path.insert(0, root)
+    import importlib
+
+    module = importlib.import_module("benchmarks")
+    if os.path.dirname(os.path.dirname(os.path.abspath(module.__file__))) != root:
+        raise ImportError(f"`import benchmarks` found {module.__file__}, not the checkout's {root}/benchmarks")
+    return module
+
+
+def _bench(argv: List[str]) -> int:
+    bench = _benchmarks()
+    if bench is None:
+        print(f"{PROG} bench: {BENCH_MISSING}", file=sys.stderr)
+        return 2
     try:
-        return int(bench_main(argv) or 0)
+        return int(bench.main(argv) or 0)
     except SystemExit as exc:  # the runner's argparse: --help (0) or a usage error (2)
         return exc.code if isinstance(exc.code, int) else 1
 

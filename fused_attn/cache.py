@@ -297,9 +297,9 @@ def _release_at_exit() -> None:
     """Release every frontend object we hold before the interpreter tears down its modules.
 
     cuDNN graphs (and the score_mod callbacks holding their tensors) still alive at exit make the
-    frontend's bindings print "leaked instances" warnings. Besides the graph cache: the backend's
-    per-thread handles and per-stream workspaces, its key memo and prepared varlen batches, and
-    the score_mod lowering's memo caches. Modules never imported are skipped (nothing to free)."""
+    frontend's bindings print "leaked instances" warnings (benchmarks/results/frontend_probe_h100.md).
+    Besides the graph cache: the backend's per-thread handles and per-stream workspaces, its key
+    memo and prepared varlen batches, and the score_mod lowering's memo caches. Modules never imported are skipped (nothing to free)."""
     GRAPH_CACHE.clear()
     plan = sys.modules.get("fused_attn.plan")
     if plan is not None:

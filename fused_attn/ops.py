@@ -1,7 +1,7 @@
 """torch.library custom ops for torch.compile: ``fused_attn::attn_fwd`` and ``fused_attn::attn_bwd``.
 
-`functional.run_spec` calls :func:`attention` while ``torch.compiler.is_compiling()``; eager calls
-run the call plan directly (less host overhead). The ops take the call's tensors by name plus a
+`functional.run_call` calls :func:`attention_by_key` while ``torch.compiler.is_compiling()``; eager
+calls run the call plan directly (less host overhead). The ops take the call's tensors by name plus a
 *spec key*: a string naming an `AttentionSpec` registered when the call is traced (with the
 backend chosen from the tensors' metadata at that time). The implementation looks the spec up,
 rebinds its score_mod template to the call's values and runs the same call plan as eager calls.

@@ -24,7 +24,6 @@ import dataclasses
 import threading
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
@@ -37,7 +36,7 @@ from .spec import AttentionSpec, frozen_template
 from .static import NO_VARLEN, Refusal, StaticProblem, Varlen, bucket
 from .static import mod_signature as _mod_sig
 
-__all__ = ["Varlen", "StaticProblem", "CallPlan", "get_plan", "call_signature", "plan_info", "clear_plans", "FallbackWarning",
+__all__ = ["Varlen", "StaticProblem", "CallPlan", "get_plan", "call_signature", "clear_plans", "FallbackWarning",
            "Refusal", "Explanation", "NO_VARLEN"]
 
 
@@ -177,11 +176,6 @@ def clear_plans() -> None:
 
 
 register_clear("plan.plans", clear_plans)
-
-
-def plan_info() -> dict:
-    """{"hits", "misses", "size", "maxsize"} of the call-plan cache."""
-    return {"hits": PLANS.hits, "misses": PLANS.misses, "size": len(PLANS), "maxsize": PLANS.maxsize}
 
 
 def call_signature(spec: AttentionSpec, q: Any, k: Any, v: Any, varlen: Varlen, mod: Any,

@@ -198,12 +198,3 @@ def describe_operands(operands: Dict[str, torch.Tensor]) -> tuple:
 def meta_like(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor with `t`'s shape, strides and dtype (no storage): structure, not data."""
     return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
-
-
-def optional_float(value: Optional[float]) -> Optional[float]:
-    """Normalize an optional float parameter (rejects bools and non-numbers)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"expected a float, got {value!r} ({type(value).__name__})")
-    return float(value)

@@ -11,7 +11,8 @@ the given lengths, all four as int parameters: values are bound per call, so eve
 rank and step shares one cuDNN graph (`cache_key` has no values). Comparisons fold the offsets
 into one host scalar against kv_idx - q_idx (the lowering's canonical form); an offset left in
 arithmetic enters the graph as an int32 pass-by-value operand (measured on H100: cuDNN adds an
-int32 scalar to `gen_index` correctly and an fp32 one wrongly). Tensor parameters indexed by
+int32 scalar to `gen_index` correctly and an fp32 one wrongly; benchmarks/results/
+frontend_probe_h100.md, third probe). Tensor parameters indexed by
 positions are indexed globally, so they are checked against the given lengths.
 """
 

@@ -1,11 +1,9 @@
-"""Attention backends. Each backend module exposes the same four functions:
+"""The attention engines, each behind the engine contract of `fused_attn.engines` (an engine's
+refusal of a problem, its runner: forward, backward, backward_with_lse):
 
-    can_serve(problem) -> Optional[str]      None if it can run the problem, else the reason
-    forward(problem) -> (out, lse, saved)    no autograd; out in the query's format,
-                                             lse fp32 (B, H, Sq) dense / (H, Tq) thd,
-                                             saved: backend-private tensor for backward
-    backward(problem, out, saved, grad_out) -> (dq, dk, dv)   same shapes/layouts as inputs
-    attention(problem) -> (out, lse)         autograd-aware eager entry point
+    reference.py, reference_engine.py     pure PyTorch math: the semantics and the test oracle
+    torch_engine.py, torch_sdpa.py, torch_flex.py     torch's own CPU kernels
+    cudnn/                                cuDNN frontend graphs
 
-Backends never import each other; `fused_attn.functional` picks one.
+Engines never import each other; `fused_attn.engines` chooses one per call plan.
 """

@@ -176,10 +176,6 @@ def run_ops(op_key: str, mod: Any, query: DTensor, key: DTensor, value: DTensor,
     return out if not _ops._returns_lse(op_key) else (out, lse)
 
 
-def _heads(t: torch.Tensor, fmt: str) -> int:
-    return t.shape[S.format_dims(fmt)[1]]
-
-
 @torch.compiler.assume_constant_result
 def _checked_kinds(op_key: str, placements: tuple, mesh_shape: tuple, shapes: tuple) -> tuple:
     """The kind of each mesh dim, validated against the registered spec (a constant under

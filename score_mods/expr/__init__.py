@@ -32,7 +32,7 @@ from .dag import (  # noqa: F401 - re-exported
 )
 from .hints import TORCH_TO_SM  # noqa: F401 - re-exported
 from .namespace import (  # noqa: F401 - re-exported
-    TENSOR_KINDS, TensorParam, _TraceScope, abs, ceil, clamp, erf, exp, floor, is_tensor_default, kv_len, log,
+    TENSOR_KINDS, TensorParam, _TraceScope, abs, ceil, clamp, erf, exp, floor, kv_len, log,
     logical_and, logical_not, logical_or, logical_xor, maximum, minimum, pow, q_len, sigmoid, sqrt, tanh, tracing,
     where,
 )

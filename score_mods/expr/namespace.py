@@ -4,9 +4,6 @@ tracing state the lengths consult, and `TensorParam`, which declares tensor para
 from __future__ import annotations
 
 import threading
-from typing import Any
-
-import torch
 
 from .dag import Node, what
 from .symbols import Sym, Value, _cond, arith, clamp, lift, unary
@@ -14,7 +11,7 @@ from .symbols import Sym, Value, _cond, arith, clamp, lift, unary
 __all__ = [
     "tanh", "exp", "log", "abs", "sqrt", "sigmoid", "erf", "floor", "ceil", "pow", "minimum", "maximum", "clamp",
     "where", "logical_and", "logical_or", "logical_xor", "logical_not", "q_len", "kv_len", "tracing",
-    "TensorParam", "TENSOR_KINDS", "is_tensor_default",
+    "TensorParam", "TENSOR_KINDS",
 ]
 
 # --------------------------------------------------------------------------- tracing state
@@ -174,8 +171,3 @@ class TensorParam:
 
     def __repr__(self) -> str:
         return f"TensorParam({self.kind!r})"
-
-
-def is_tensor_default(value: Any) -> bool:
-    return isinstance(value, (TensorParam, torch.Tensor))
-

@@ -8,8 +8,9 @@ from typing import Callable, Dict, Optional, Tuple
 from .. import optable
 from ..expr import Node, const
 
-#: How each op beyond the probe-accepted basics is emitted inside the cuDNN graph, when it
-#: depends on the score or on both q_idx and kv_idx. A value is a graph method name, a recipe
+#: How each op beyond the probe-accepted basics (benchmarks/results/frontend_probe_h100.md) is
+#: emitted inside the cuDNN graph, when it depends on the score or on both q_idx and kv_idx. A
+#: value is a graph method name, a recipe
 #: from `RECIPES`, or None: never emitted (score-free uses are materialized densely; a
 #: score-dependent use makes the mod unsupported on cuDNN, with a NotImplementedError naming
 #: the op). THIS is the table to edit after the GPU probe of floor / ceil / mod / div / erf /

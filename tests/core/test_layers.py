@@ -8,6 +8,8 @@ import ast
 import os
 from typing import Dict, List, Set
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: lowest first: a module may import its own layer and the ones below it
@@ -23,7 +25,7 @@ LAYERS = (
     ("entry points", lambda m: m in {f"fused_attn.{n}" for n in (
         "functional", "module", "varlen", "doc_packed", "graph_cache", "testing")}),
     ("distributed and integrations", lambda m: m.startswith(("fused_attn.distributed", "fused_attn.integrations"))),
-    ("top", lambda m: True),  # the package, its wiring, the CLI and the benchmarks
+    ("top", lambda m: True),  # the package, its wiring and the CLI
 )
 
 
@@ -128,9 +130,36 @@ def test_the_core_names_no_cudnn_version():
     pattern = re.compile(r"cuDNN\s*(?:<|>=|<=|>)?\s*9\.\d+")
     found = []
     for m, path in _modules().items():
-        if m.startswith(("fused_attn.backends.cudnn", "fused_attn.bench")) or not m.startswith("fused_attn"):
+        if m.startswith("fused_attn.backends.cudnn") or not m.startswith("fused_attn"):
             continue
         for i, line in enumerate(open(path), 1):
             if pattern.search(line):
                 found.append(f"{m}:{i}: {line.strip()}")
     assert not found, "cuDNN versions named outside the cuDNN backend:\n" + "\n".join(found)
+
+
+def test_the_library_never_imports_benchmarks_or_test_code():
+    """fused_attn and score_mods are what the wheel ships: no import of the benchmarks package or of
+    test helpers (the CLI's `bench` command finds a checkout's benchmarks at run time)."""
+    found = []
+    for m, path in _modules().items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{m}: {n}" for n in names if n.split(".")[0] in ("benchmarks", "helpers", "tests", "conftest")]
+    assert not found, found
+
+
+def test_the_wheel_ships_the_library_only():
+    tomllib = pytest.importorskip("tomllib")
+    from setuptools import find_packages
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = find_packages(ROOT, include=include)
+    assert "fused_attn" in shipped and "score_mods" in shipped
+    assert all(p.split(".")[0] in ("fused_attn", "score_mods") for p in shipped), shipped

@@ -58,15 +58,23 @@ def test_explain_command(capsys):
 
 
 def test_bench_dispatch(monkeypatch):
+    """From a checkout, `bench` runs the checkout's benchmarks package with the remaining arguments."""
     seen = []
-    fake = types.ModuleType("fused_attn.bench")
+    fake = types.ModuleType("benchmarks")
+    fake.__file__ = os.path.join(ROOT, "benchmarks", "__init__.py")
     fake.main = lambda argv: seen.append(list(argv)) or 0
-    monkeypatch.setitem(sys.modules, "fused_attn.bench", fake)
-    import fused_attn
-
-    monkeypatch.setattr(fused_attn, "bench", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "benchmarks", fake)
     assert main_mod.main(["bench", "--suite", "dense"]) == 0
     assert seen == [["--suite", "dense"]]
+
+
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(monkeypatch, tmp_path, capsys):
+    """An installed wheel has no benchmarks: the command says how to get them, exit status 2."""
+    assert main_mod._benchmarks(str(tmp_path)) is None
+    monkeypatch.setattr(main_mod, "_benchmarks", lambda: None)
+    assert main_mod.main(["bench", "dense"]) == 2
+    err = capsys.readouterr().err
+    assert "not part of the installed package" in err and "source checkout" in err
 
 
 def test_help_version_and_unknown(capsys):

@@ -12,8 +12,8 @@ import torch
 import fused_attn
 import score_mods as sm
 from fused_attn.layouts import to_logical
-from fused_attn.testing import assert_close, tolerance
-from helpers.attention import naive_attention, rand
+from fused_attn.testing import assert_close, reference_attention, tolerance
+from helpers.attention import rand
 
 
 @pytest.mark.parametrize("window", [(10 ** 30, 10 ** 30), (4, 2 ** 31), (-2, 0)])
@@ -96,7 +96,7 @@ def test_assignment_during_a_call_does_not_reach_that_call(monkeypatch):
     assert torch.equal(attn(q, q, q), _window_out(q, 0, 3))
     ql = to_logical(q, "bshd")
     mask = torch.ones(24, 24, dtype=torch.bool).tril().triu(-3)
-    exact, _ = naive_attention(ql, ql, ql, 8 ** -0.5, mask)
+    exact, _ = reference_attention(ql, ql, ql, 8 ** -0.5, mask)
     assert_close(to_logical(out, "bshd"), exact, tolerance(ql, ql, ql, 8 ** -0.5, torch.float64, mask), "out")
 
 

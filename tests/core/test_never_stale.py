@@ -20,8 +20,8 @@ from fused_attn import plan as P
 from fused_attn.layouts import to_logical
 from fused_attn.plan import NO_VARLEN, call_signature, get_plan
 from fused_attn.spec import resolve_spec
-from fused_attn.testing import assert_close, tolerance
-from helpers.attention import band_mask, naive_attention, rand
+from fused_attn.testing import assert_close, reference_attention, tolerance
+from helpers.attention import band_mask, rand
 from helpers.cudnn_stub import bf16, stub  # noqa: F401  (the stub fixture)
 
 
@@ -88,7 +88,7 @@ def test_reference_window_change_matches_float64(via):
             out = fused_attn.dot_product_attention(q, k, v, score_mod=mod, backend="reference")
         ql, kl, vl = (to_logical(t, "bshd") for t in (q, k, v))
         mask = band_mask(40, 40, left, 0)
-        exact, _ = naive_attention(ql, kl, vl, 8 ** -0.5, mask)
+        exact, _ = reference_attention(ql, kl, vl, 8 ** -0.5, mask)
         assert_close(to_logical(out, "bshd"), exact, tolerance(ql, kl, vl, 8 ** -0.5, q.dtype, mask), f"window {left}")
 
 

@@ -1,4 +1,4 @@
-"""varlen_attn (torch's varlen signature) against a per-sequence float64 naive attention, on CPU."""
+"""varlen_attn (torch's varlen signature) against the packed float64 reference (`fused_attn.testing`), on CPU."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 import fused_attn
 from fused_attn import AuxRequest, varlen_attn
-from fused_attn.testing import assert_close, bound_from
+from fused_attn.testing import assert_close, max_error, packed_tolerances
 from score_mods.base import ScoreMod
 
 
@@ -33,35 +33,12 @@ class EagerSoftcap(ScoreMod):
         raise NotImplementedError
 
 
-def naive_varlen(q, k, v, cu_q, cu_k, window=(-1, -1), scale=None, score_mod=None):
-    """Per-sequence attention in q's dtype; flash-style bottom-right windows. -> out (T,H,Dv), lse (H,T)."""
+def expected(q, k, v, cu_q, cu_k, window=(-1, -1), scale=None, score_mod=None, grad_out=None):
+    """(exact, bounds): a varlen_attn call (flash-style windows, bottom-right per sequence) in float64
+    and the project's bounds for q's dtype (`fused_attn.testing.packed_tolerances`)."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    h, hkv = q.shape[1], k.shape[1]
-    outs, lses = [], []
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for b in range(len(cq) - 1):
-        qs = q[cq[b] : cq[b + 1]].transpose(0, 1)
-        ks = k[ck[b] : ck[b + 1]].transpose(0, 1).repeat_interleave(h // hkv, 0)
-        vs = v[ck[b] : ck[b + 1]].transpose(0, 1).repeat_interleave(h // hkv, 0)
-        lq, lk = qs.shape[1], ks.shape[1]
-        s = qs @ ks.transpose(-1, -2) * scale
-        i = torch.arange(lq).view(-1, 1)
-        j = torch.arange(lk).view(1, -1)
-        if score_mod is not None:
-            s = score_mod.eager(s[None], None, None, i, j, lq, lk)[0]
-        d = j - (i + lk - lq)
-        ok = torch.ones(lq, lk, dtype=torch.bool)
-        if window[0] >= 0:
-            ok &= d >= -window[0]
-        if window[1] >= 0:
-            ok &= d <= window[1]
-        s = s.masked_fill(~ok, float("-inf"))
-        lse = torch.logsumexp(s, -1)
-        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        p = torch.exp(s - safe[..., None])
-        outs.append((p @ vs).transpose(0, 1))
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, 1)
+    fn = None if score_mod is None else (lambda s, b, h, i, j: score_mod.eager(s, b, h, i, j, None, None))
+    return packed_tolerances(q, k, v, grad_out, cu_q, cu_k, scale, q.dtype, band=(*window, True), score_fn=fn)
 
 
 def make(lens_q, lens_k, h=4, hkv=4, d=16, dv=16, dtype=torch.float32, grad=False):
@@ -71,24 +48,6 @@ def make(lens_q, lens_k, h=4, hkv=4, d=16, dv=16, dtype=torch.float32, grad=Fals
     v = torch.randn(tk, hkv, dv, dtype=dtype, requires_grad=grad)
     cu = lambda lens: torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
     return q, k, v, cu(lens_q), cu(lens_k)
-
-
-def tol_vs_f64(q, k, v, cu_q, cu_k, **kw):
-    """The project's bounds (`fused_attn.testing.bound_from`: from the fp32 naive computation's error
-    against float64) for outputs and for the finite lse entries."""
-    o32, l32 = naive_varlen(q.float(), k.float(), v.float(), cu_q, cu_k, **kw)
-    o64, l64 = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, **kw)
-    fin = torch.isfinite(l64)
-    return bound_from(o32, o64, torch.float32), bound_from(l32[fin], l64[fin], torch.float32)
-
-
-def close(actual, expected, tol):
-    assert actual.shape == expected.shape
-    fin = torch.isfinite(expected)
-    assert torch.equal(torch.isfinite(actual), fin), "infinite entries differ"
-    assert torch.equal(actual[~fin], expected[~fin].to(actual.dtype))
-    err = (actual.double() - expected.double())[fin].abs().max().item() if fin.any() else 0.0
-    assert err <= tol, f"max err {err} > tol {tol}"
 
 
 LENS = [
@@ -106,13 +65,12 @@ def test_forward_and_lse_match_naive(lens, window):
     out, lse = varlen_attn(
         q, k, v, cu_q, cu_k, max(lens[0]), max(lens[1]), window_size=window, return_aux=AuxRequest(lse=True)
     )
-    ref_o, ref_l = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=window)
-    tol_o, tol_l = tol_vs_f64(q, k, v, cu_q, cu_k, window=window)
+    want, bounds = expected(q, k, v, cu_q, cu_k, window=window)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     assert lse.shape == (q.shape[1], q.shape[0])  # (H, T) like torch's varlen_attn
     assert not torch.isnan(out).any()
-    close(out, ref_o, tol_o)
-    close(lse, ref_l, tol_l)
+    assert_close(out, want["out"], bounds["out"], "out")
+    assert_close(lse, want["lse"], bounds["lse"], "lse")
 
 
 def test_causal_rows_without_keys_are_zero_with_lse_minus_inf():
@@ -133,10 +91,9 @@ def test_returns_plain_tensor_without_aux_and_with_lse_false():
 def test_gqa_scale_and_value_dim():
     q, k, v, cu_q, cu_k = make([6, 3, 11], [6, 3, 11], h=6, hkv=2, dv=8)
     out = varlen_attn(q, k, v, cu_q, cu_k, 11, 11, enable_gqa=True, scale=0.3, window_size=(-1, 0))
-    ref, _ = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(-1, 0), scale=0.3)
-    tol, _ = tol_vs_f64(q, k, v, cu_q, cu_k, window=(-1, 0), scale=0.3)
+    want, bounds = expected(q, k, v, cu_q, cu_k, window=(-1, 0), scale=0.3)
     assert out.shape == (20, 6, 8)
-    close(out, ref, tol)
+    assert_close(out, want["out"], bounds["out"], "out")
 
 
 @pytest.mark.slow
@@ -145,11 +102,10 @@ def test_score_mod_softcap():
     q = q * 4  # large scores so the cap matters
     sm = EagerSoftcap(2.0)
     out = varlen_attn(q, k, v, cu_q, cu_k, 12, 12, window_size=(-1, 0), score_mod=sm)
-    ref, _ = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(-1, 0), score_mod=sm)
-    plain, _ = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(-1, 0))
-    tol, _ = tol_vs_f64(q, k, v, cu_q, cu_k, window=(-1, 0), score_mod=sm)
-    close(out, ref, tol)
-    assert (plain - ref).abs().max() > 10 * tol  # the modifier changes the answer
+    want, bounds = expected(q, k, v, cu_q, cu_k, window=(-1, 0), score_mod=sm)
+    plain, _ = expected(q, k, v, cu_q, cu_k, window=(-1, 0))
+    assert_close(out, want["out"], bounds["out"], "out")
+    assert max_error(plain["out"], want["out"]) > 10 * bounds["out"]  # the modifier changes the answer
 
 
 @pytest.mark.slow
@@ -161,23 +117,18 @@ def test_grads_match_naive_autograd(window):
     out = varlen_attn(q, k, v, cu_q, cu_k, 9, 9, window_size=window, enable_gqa=True)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
-    refs = {}
-    for dt in (torch.float32, torch.float64):
-        leaves = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
-        o, _ = naive_varlen(*leaves, cu_q, cu_k, window=window)
-        refs[dt] = torch.autograd.grad(o, leaves, g.to(dt))
-    for name, got, r32, r64 in zip("qkv", grads, refs[torch.float32], refs[torch.float64]):
-        assert_close(got, r64, bound_from(r32, r64, torch.float32), f"d{name}")
+    want, bounds = expected(q, k, v, cu_q, cu_k, window=window, grad_out=g)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        assert_close(got, want[name], bounds[name], name)
 
 
 @pytest.mark.slow
 def test_bf16_matches_naive():
     q, k, v, cu_q, cu_k = make([7, 16], [7, 16], dtype=torch.bfloat16)
     out = varlen_attn(q, k, v, cu_q, cu_k, 16, 16, window_size=(-1, 0))
-    ref, _ = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(-1, 0))
-    same, _ = naive_varlen(q, k, v, cu_q, cu_k, window=(-1, 0))  # bf16 torch math
+    want, bounds = expected(q, k, v, cu_q, cu_k, window=(-1, 0))  # the bound: bf16 torch math
     assert out.dtype == torch.bfloat16
-    close(out, ref, bound_from(same, ref, torch.bfloat16))
+    assert_close(out, want["out"], bounds["out"], "out")
 
 
 def test_aux_request_is_frozen_like_torch():
@@ -259,8 +210,8 @@ def test_argument_checks_run_once_per_call_configuration(monkeypatch):
     first = varlen_attn(q, k, v, cu_q, cu_k, 6, 6, window_size=(2, 0), scale=0.3)
     again = varlen_attn(q, k, v, cu_q.clone(), cu_k.clone(), 6, 6, window_size=(2, 0), scale=0.3)
     assert len(calls) == 1 and torch.equal(first, again)
-    close(first, naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=(2, 0), scale=0.3)[0],
-          tol_vs_f64(q, k, v, cu_q, cu_k, window=(2, 0), scale=0.3)[0])
+    want, bounds = expected(q, k, v, cu_q, cu_k, window=(2, 0), scale=0.3)
+    assert_close(first, want["out"], bounds["out"], "out")
     varlen_attn(q, k, v, cu_q, cu_k, 6, 6, window_size=(2, 0), scale=0.3, return_aux=AuxRequest(lse=True))
     assert len(calls) == 2  # another configuration
     with pytest.raises(TypeError, match="max_q must be an int, got True"):
@@ -283,10 +234,9 @@ def test_varlen_attn_out_writes_the_result_into_out(window):
     got, lse = fused_attn.varlen_attn_out(out, q, k, v, cu_q, cu_k, 9, 8, window_size=window,
                                           return_aux=AuxRequest(lse=True))
     assert got is out
-    ref_o, ref_l = naive_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, window=window)
-    tol_o, tol_l = tol_vs_f64(q, k, v, cu_q, cu_k, window=window)
-    close(out, ref_o, tol_o)
-    close(lse, ref_l, tol_l)
+    want, bounds = expected(q, k, v, cu_q, cu_k, window=window)
+    assert_close(out, want["out"], bounds["out"], "out")
+    assert_close(lse, want["lse"], bounds["lse"], "lse")
     assert fused_attn.varlen_attn_out(out, q, k, v, cu_q, cu_k, 9, 8, window_size=window) is out
 
 

@@ -38,9 +38,10 @@ _BF16 = torch.bfloat16
 
 
 def _bound(single: torch.Tensor, exact: torch.Tensor) -> float:
-    from fused_attn.testing import DEFAULT_FLOOR, max_error
+    """The project's rule (`fused_attn.testing.bound_from`) from the single-GPU bf16 result."""
+    from fused_attn.testing import bound_from
 
-    return 2.0 * max_error(single, exact) + DEFAULT_FLOOR[_BF16] * max(1.0, float(exact.abs().max()))
+    return bound_from(single, exact, _BF16)
 
 
 def _check(name: str, got: torch.Tensor, single: torch.Tensor, exact: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ import torch
 
 import fused_attn
 import score_mods as sm
+from fused_attn.testing import agreement_bound, assert_close
 
 flex_mod = pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -34,7 +35,7 @@ def test_to_flex_matches_flex_attention(name):
     flex = flex_mod.flex_attention(q, k, v, score_mod=mod.to_flex(q_len=SQ, kv_len=SKV))
     ours = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", score_mod=mod, backend="reference")
     assert not torch.equal(ours, fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", backend="reference"))
-    torch.testing.assert_close(ours, flex, rtol=1e-9, atol=1e-9)
+    assert_close(ours, flex, agreement_bound(flex), name)
 
 
 # --------------------------------------------------------------------------- the attention-gym zoo
@@ -56,10 +57,10 @@ def test_zoo_to_flex_matches_flex_attention(name):
     q, k, v = _qkv(1, ZH, ZS, 16, 11)
     ours = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", score_mod=mod, backend="reference")
     flex = flex_mod.flex_attention(q, k, v, score_mod=mod.to_flex(q_len=ZS, kv_len=ZS))
-    torch.testing.assert_close(ours, flex, rtol=1e-9, atol=1e-9)
+    assert_close(ours, flex, agreement_bound(flex), name)
     if mod.mask_condition() is not None:  # the same mask as a flex BlockMask
         block = flex_mod.create_block_mask(mod.to_flex_mask(ZS, ZS), 1, ZH, ZS, ZS, device="cpu", BLOCK_SIZE=4)
-        torch.testing.assert_close(flex_mod.flex_attention(q, k, v, block_mask=block), ours, rtol=1e-9, atol=1e-9)
+        assert_close(flex_mod.flex_attention(q, k, v, block_mask=block), ours, agreement_bound(ours), name + " mask")
 
 
 def test_to_flex_mask_refuses_score_mods():

@@ -187,7 +187,7 @@ def test_learned_tables_train_on_cudnn(name):
 
 def test_materialized_values_change_without_rebuilding():
     fused_attn = pytest.importorskip("fused_attn")
-    from fused_attn import graph_cache
+    from fused_attn import graph_cache, testing
 
     dev = torch.device("cuda")
     q, k, v = (torch.randn(1, 2, 128, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
@@ -196,9 +196,10 @@ def test_materialized_values_change_without_rebuilding():
     builds = graph_cache.cache_info().builds
     out = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", score_mod=mod(block=32), backend="cudnn")
     assert graph_cache.cache_info().builds == builds  # operands are inputs: a new block size rebuilds nothing
-    ref = fused_attn.dot_product_attention(q.float(), k.float(), v.float(), qkv_format="bhsd", score_mod=mod(block=32),
-                                           backend="reference")
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    bound = mod(block=32)
+    fn = lambda s, b, h, qi, ki: bound.eager(s, b, h, qi, ki, 128, 128)  # noqa: E731
+    exact, _ = testing.reference_attention(q, k, v, 64 ** -0.5, score_fn=fn)
+    testing.assert_close(out, exact, testing.tolerance(q, k, v, 64 ** -0.5, torch.bfloat16, score_fn=fn), "block 32")
 
 
 def test_score_dependent_gather_is_refused_on_cudnn():

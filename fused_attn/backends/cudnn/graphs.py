@@ -47,7 +47,8 @@ def cudnn_band(left: Optional[int], right: Optional[int]) -> Tuple[Optional[int]
     """Map a flash-attention window (keys i-left .. i+right allowed) to cuDNN's band bounds.
 
     cuDNN's `diagonal_band_left_bound` counts the diagonal itself: a left bound L keeps keys
-    i-(L-1) .. i (measured on an H100: left bound L equals a flash window left of L - 1).
+    i-(L-1) .. i (measured on an H100: left bound L equals a flash window left of L - 1;
+    benchmarks/results/frontend_probe_h100.md, second probe).
     So left_bound = left + 1. The right bound is the flash right directly (0 = causal).
     """
     return (None if left is None else left + 1), right

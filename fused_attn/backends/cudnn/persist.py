@@ -5,7 +5,8 @@ blob does not say: the slot names in uid order and the workspace size. Its key i
 with the device index set to 0 (ranks of one job on equal GPUs share files); its environment
 names everything that invalidates a plan (cuDNN library and frontend versions, torch version,
 GPU architecture, this entry format). Measured on H100 (cuDNN 9.19, frontend 1.32): serialized
-graphs, score_mod graphs included, deserialize and execute correctly in a fresh process.
+graphs, score_mod graphs included, deserialize and execute correctly in a fresh process
+(benchmarks/results/frontend_probe4_h100.md, section 3).
 
 Payload, little-endian: uint32 H, H bytes of UTF-8 JSON {"slots": [...], "uids": [...],
 "workspace": int}, then the frontend's blob.

@@ -29,7 +29,7 @@ __all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", 
            "check_offset_range", "check_offset_ranges", "token_positions", "token_rows_of_empty_kv", "MIN_SEQ_BUCKET",
            "INVALID_CU_SEQLENS"]
 
-MIN_SEQ_BUCKET = 128  # cuDNN's key tiles are 128 wide; 64 would also be a key length 64 mod 128 (see DESIGN)
+MIN_SEQ_BUCKET = 128  # cuDNN's key tiles are 128 wide; 64 would be a key length 64 mod 128 (quirks.py: nan_dq_kv_64_mod_128)
 _INT32_MAX = 2**31 - 1
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fused_attn.layouts import to_logical
-from fused_attn.testing import assert_close, bound_from, grad_tolerances, reference_attention, tolerance
+from fused_attn.testing import assert_attention_close
 from helpers.attention import band_mask
 
 pytestmark = [
@@ -53,24 +53,9 @@ def allowed_mask(sq, skv, attn_mask_type="no_mask", window_size=None, cu_seqlens
 
 
 def check(out, q, k, v, scale, mask=None, score_fn=None, lse=None, grads=None, do=None, label=""):
-    """Logical (B, H, S, D) out, and lse (B, H, Sq) and grads of (q, k, v) for cotangent `do`
-    when given, against float64 with the tolerance rule.
-
-    lse: rows without an allowed key must be -inf in both; the bound comes from the naive
-    same-dtype lse of the rows that have one.
-    """
-    q, k, v = (t.detach() for t in (q, k, v))
-    dtype = q.dtype
-    exact, exact_lse = reference_attention(q, k, v, scale, mask, score_fn)
-    assert_close(out, exact, tolerance(q, k, v, scale, dtype, mask, score_fn), label + "out")
-    if lse is not None:
-        _, naive_lse = reference_attention(q, k, v, scale, mask, score_fn, dtype=dtype, softmax_dtype=torch.float32)
-        rows = torch.isfinite(exact_lse)
-        assert_close(lse, exact_lse, bound_from(naive_lse[rows], exact_lse[rows], dtype), label + "lse")
-    if grads is not None:
-        want, bounds = grad_tolerances(q, k, v, do.detach(), scale, dtype, mask, score_fn)
-        for name, got, w, bound in zip(("dq", "dk", "dv"), grads, want, bounds):
-            assert_close(got, w, bound, label + name)
+    """`fused_attn.testing.assert_attention_close`: logical (B, H, S, D) out, lse and grads against
+    float64 with the tolerance rule."""
+    assert_attention_close(out, q, k, v, scale, mask, score_fn, lse=lse, grads=grads, grad_out=do, what=label)
 
 
 def run(q, k, v, grad, **kw):
@@ -169,7 +154,7 @@ def test_grad_out_other_layout_and_grads_in_input_layout():
     assert dq.stride() == q.stride() and dk.stride() == k.stride()
     dq2, _, _ = torch.autograd.grad(fused_attn.dot_product_attention(q, k, v, qkv_format="sbhd", backend="cudnn"),
                                     (q, k, v), g.contiguous())
-    torch.testing.assert_close(dq, dq2, rtol=0, atol=0)
+    assert torch.equal(dq, dq2)
 
 
 def test_two_streams():
@@ -185,7 +170,7 @@ def test_two_streams():
             outs.append(fused_attn.dot_product_attention(q, k, v, backend="cudnn", attn_mask_type="causal"))
     torch.cuda.synchronize()
     for o in outs:
-        torch.testing.assert_close(o, expected, rtol=0, atol=0)
+        assert torch.equal(o, expected)
 
 
 def test_deterministic_backward_bitwise():

@@ -9,7 +9,8 @@ import torch
 
 import fused_attn
 import score_mods as sm
-from fused_attn.testing import assert_close, grad_tolerances, reference_attention, tolerance
+from fused_attn.testing import (assert_close, grad_tolerances, mask_band, packed_tolerances, reference_attention,
+                                tolerance)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,9 +115,8 @@ def test_sinks_dense(softmax_type, mask, hkv):
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_sinks_thd_forward_and_backward_on_cudnn(softmax_type, window, hkv):
     """Packed sinks on cuDNN, gradients included (below cuDNN 9.26 the backward graph has no sink
-    token: dQ/dK/dV come from the sink-aware Stats and dSink from a reduction), against float64
-    per sequence; a sequence with one token and one longer than a 128-key tile."""
-    lens = [5, 130, 1, 64]
+    token: dQ/dK/dV come from the sink-aware Stats and dSink from a reduction), against the packed
+    float64 reference; a sequence with one token and one longer than a 128-key tile."""
     cu = torch.tensor([0, 5, 135, 136, 200], dtype=torch.int32, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(200, 4, 64, device="cuda", dtype=DT, generator=g).requires_grad_()
@@ -131,27 +131,10 @@ def test_sinks_thd_forward_and_backward_on_cudnn(softmax_type, window, hkv):
     wrt = (q, k, v) + (() if sinks is None else (sinks,))
     grads = torch.autograd.grad(out, wrt, do)
     ref_sinks = torch.zeros(4, device="cuda") if sinks is None else sinks.detach()
-    want_dsink = torch.zeros(4, dtype=torch.float64, device="cuda")
-    dsink_bound = 0.0  # dSink sums over sequences: so do the per-sequence bounds
-    for i, n in enumerate(lens):  # per-sequence dense check with the tolerance rule
-        a, b = int(cu[i]), int(cu[i + 1])
-        sl = [t.detach()[a:b].transpose(0, 1)[None] for t in (q, k, v)]
-        dsl = do[a:b].transpose(0, 1)[None]
-        left = -1 if window is None else window[0]
-        idx = torch.arange(n, device="cuda")
-        m = (idx.view(1, -1) <= idx.view(-1, 1)) & ((idx.view(-1, 1) - idx.view(1, -1) <= left) | (left < 0))
-        exact, exact_lse = reference_attention(*sl, 0.125, m, None, ref_sinks)
-        assert_close(out[a:b].transpose(0, 1)[None], exact, tolerance(*sl, 0.125, DT, m, None, ref_sinks),
-                     f"out seq {i}")
-        assert_close(lse[:, a:b][None], exact_lse, 1e-2, f"lse seq {i}")
-        want, bounds = grad_tolerances(*sl, dsl, 0.125, DT, m, None, ref_sinks)
-        for name, got, w, bound in zip(("dq", "dk", "dv"), grads, want, bounds):
-            assert_close(got[a:b].transpose(0, 1)[None], w, bound, f"{name} seq {i}")
-        if sinks is not None:
-            want_dsink += want[3]
-            dsink_bound += bounds[3]
-    if sinks is not None:
-        assert_close(grads[3], want_dsink, dsink_bound, "dsinks")
+    exact, bounds = packed_tolerances(q, k, v, do, cu, cu, 0.125, DT, band=mask_band("causal", window), sinks=ref_sinks)
+    names = ("out", "lse", "dq", "dk", "dv") + (() if sinks is None else ("dsinks",))
+    for name, got in zip(names, (out, lse) + grads):
+        assert_close(got, exact[name], bounds[name], name)
 
 
 @pytest.mark.parametrize("bias_dtype", [torch.float32, DT])
@@ -232,9 +215,9 @@ def test_varlen_causal_score_mod_self_attention_runs_on_cudnn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", fused_attn.FallbackWarning)
         out = fused_attn.varlen_attn(q, k, v, cu, cu, 200, 200, window_size=(-1, 0), score_mod=sm.softcap(30.0))
-    ref = fused_attn.varlen_attn(q.double(), k.double(), v.double(), cu, cu, 200, 200, window_size=(-1, 0),
-                                 score_mod=sm.softcap(30.0))
-    assert_close(out, ref, 2e-2, "varlen causal softcap")
+    exact, bounds = packed_tolerances(q, k, v, None, cu, cu, 64 ** -0.5, DT, band=(-1, 0, True),
+                                      score_fn=lambda s, *_: 30.0 * torch.tanh(s / 30.0))
+    assert_close(out, exact["out"], bounds["out"], "varlen causal softcap")
 
 
 def test_varlen_two_sided_window_with_unequal_lengths():
@@ -243,8 +226,8 @@ def test_varlen_two_sided_window_with_unequal_lengths():
     q = torch.randn(45, 2, 64, device="cuda", dtype=DT)
     k, v = (torch.randn(90, 2, 64, device="cuda", dtype=DT) for _ in range(2))
     out = fused_attn.varlen_attn(q, k, v, cu_q, cu_k, 40, 81, window_size=(6, 3))
-    ref = fused_attn.varlen_attn(q.double(), k.double(), v.double(), cu_q, cu_k, 40, 81, window_size=(6, 3))
-    assert_close(out, ref, 2e-2, "bottom-right two-sided window")
+    exact, bounds = packed_tolerances(q, k, v, None, cu_q, cu_k, 64 ** -0.5, DT, band=(6, 3, True))
+    assert_close(out, exact["out"], bounds["out"], "bottom-right two-sided window")
 
 
 def test_auto_fallback_warns_once_and_explains():
@@ -274,12 +257,13 @@ def test_doc_packed_parity_cases(batch, docs, mask):
     do = bshd(batch, 256, 8, 64, grad=False, seed=3)
     out = fused_attn.doc_packed_attn(q, k, v, cu_seq, enable_gqa=True, **mask)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = fused_attn.doc_packed_attn(*leaves, cu_seq, enable_gqa=True, **mask)
-    want = torch.autograd.grad(ref, leaves, do.double())
-    assert_close(out, ref, 2e-2, "out")
-    for name, a, b in zip("qkv", grads, want):
-        assert_close(a, b, 0.03 * b.abs().max().item() + 1e-2, f"d{name}")
+    # the rows' documents as one packed batch of B * 256 tokens (empty documents dropped)
+    cu = torch.unique((cu_seq.long() + 256 * torch.arange(batch, device="cuda").view(-1, 1)).flatten()).int()
+    flat = [t.detach().reshape(batch * 256, t.shape[2], 64) for t in (q, k, v, do)]
+    band = mask_band("causal" if mask.get("is_causal") else "no_mask", mask.get("window_size"))
+    exact, bounds = packed_tolerances(*flat, cu, cu, 64 ** -0.5, DT, band=band)
+    for name, got in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+        assert_close(got.reshape(exact[name].shape), exact[name], bounds[name], name)
 
 
 @pytest.mark.parametrize("skv", [128, 192, 256, 320])

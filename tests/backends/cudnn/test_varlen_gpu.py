@@ -1,16 +1,13 @@
-"""Packed (thd) batches on cuDNN, each sequence against the float64 reference with the project's
-tolerance rule (`fused_attn.testing`); graph-build counts."""
+"""Packed (thd) batches on cuDNN against the packed float64 reference with the project's tolerance
+rule (`fused_attn.testing.packed_tolerances`); graph-build counts."""
 
 import math
 
 import pytest
 import torch
 
-from fused_attn.testing import assert_close
-from helpers.attention import check_packed_sequence as check
+from fused_attn.testing import assert_close, mask_band, packed_tolerances
 from helpers.attention import cu_seqlens
-from helpers.attention import packed_sequence as seq
-from helpers.attention import sequence_mask
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,14 +118,12 @@ def test_thd_vs_reference(case, dtype, token_sized, monkeypatch):
     out, lse, grads = run(q, k, v, grad, **kw)
     assert lse.shape == (h, tq)
     off_q, off_kv = cq.tolist(), ckv.tolist()
-    for b, (lq, lkv) in enumerate(zip(lens_q, lens_kv)):  # per sequence
-        if lq == 0:
-            continue
-        a, c = off_q[b], off_kv[b]
-        mask = sequence_mask(lq, lkv, case.get("attn_mask_type", "no_mask"), case.get("window_size"))
-        got = [seq(grads[0], a, lq), seq(grads[1], c, lkv), seq(grads[2], c, lkv)]
-        check(seq(out, a, lq), lse[:, a:a + lq][None], got, seq(q, a, lq), seq(k, c, lkv), seq(v, c, lkv),
-              seq(grad, a, lq), 1 / math.sqrt(d), mask, f"sequence {b} ", score_fn)
+    padded = dict(cu_seqlens_q_padded=cq, cu_seqlens_kv_padded=ckv) if gap else {}
+    band = mask_band(case.get("attn_mask_type", "no_mask"), case.get("window_size"))
+    exact, bounds = packed_tolerances(q, k, v, grad, cu_q, cu(lens_kv), 1 / math.sqrt(d), dtype, band=band,
+                                      score_fn=score_fn, **padded)
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
+        assert_close(got, exact[name], bounds[name], name)
     if gap:  # nothing written between sequences
         rest_q, rest_kv = outside(off_q, lens_q, tq), outside(off_kv, lens_kv, tkv)
         for name, t, rest in (("out", out, rest_q), ("dq", grads[0], rest_q), ("dk", grads[1], rest_kv),
@@ -139,7 +134,7 @@ def test_thd_vs_reference(case, dtype, token_sized, monkeypatch):
 
 def test_token_sized_backward_runs_and_matches(monkeypatch):
     """The token-sized backward graph is the one that runs (capacity: the next power of two of the
-    token counts), and its gradients match float64 per sequence."""
+    token counts), and its gradients match the packed float64 reference."""
     ran = token_sized_backward(monkeypatch)
     torch.manual_seed(5)
     lens = [300, 17, 700, 1]
@@ -150,11 +145,10 @@ def test_token_sized_backward_runs_and_matches(monkeypatch):
     out, lse, grads = run(q, k, v, grad, cu_seqlens_q=cq, cu_seqlens_kv=cq, max_seqlen_q=700, max_seqlen_kv=700,
                           attn_mask_type="causal")
     assert ran == [(1024, 1024)]
-    offsets = cq.tolist()
-    for b, n in enumerate(lens):
-        a = offsets[b]
-        check(seq(out, a, n), lse[:, a:a + n][None], [seq(g, a, n) for g in grads], seq(q, a, n), seq(k, a, n),
-              seq(v, a, n), seq(grad, a, n), 1 / math.sqrt(64), sequence_mask(n, n, "causal", None), f"sequence {b} ")
+    exact, bounds = packed_tolerances(q, k, v, grad, cq, cq, 1 / math.sqrt(64), torch.bfloat16,
+                                      band=mask_band("causal"))
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
+        assert_close(got, exact[name], bounds[name], name)
 
 
 def test_graph_builds_bounded_over_random_batches():
@@ -200,11 +194,15 @@ def test_dense_padding_with_a_score_mod(dtype, window):
                                                 window_size=window, cu_seqlens_q=cu(lens_q), cu_seqlens_kv=cu(lens_kv),
                                                 score_mod=sm.softcap(cap), backend="cudnn", return_lse=True)
     grads = torch.autograd.grad(out, (q, k, v), grad)
-    logical = lambda t, i, n: t[i:i + 1, :n].transpose(1, 2)  # (1, H, n, D)
+    # the batch's rows as one packed batch with gaps: sequence i starts at token i * S
+    rows = dict(cu_seqlens_q_padded=cu([s] * b), cu_seqlens_kv_padded=cu([s] * b))
+    flat = [t.detach().reshape(b * s, *t.shape[2:]) for t in (q, k, v, grad)]
+    exact, bounds = packed_tolerances(*flat, cu(lens_q), cu(lens_kv), 1 / math.sqrt(d), dtype,
+                                      band=mask_band("padding", window), score_fn=softcap_fn(cap), **rows)
+    real_q = torch.cat([torch.arange(s, device="cuda") < n for n in lens_q])  # lse past a length: unspecified
+    assert_close(lse.transpose(0, 1).reshape(h, b * s)[:, real_q], exact["lse"][:, real_q], bounds["lse"], "lse")
+    for name, got in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+        assert_close(got.reshape(b * s, *got.shape[2:]), exact[name], bounds[name], name)
     for i, (lq, lkv) in enumerate(zip(lens_q, lens_kv)):
-        mask = sequence_mask(lq, lkv, "no_mask", window)
-        got = [logical(grads[0], i, lq), logical(grads[1], i, lkv), logical(grads[2], i, lkv)]
-        check(logical(out, i, lq), lse[i:i + 1, :, :lq], got, logical(q, i, lq), logical(k, i, lkv),
-              logical(v, i, lkv), logical(grad, i, lq), 1 / math.sqrt(d), mask, f"sequence {i} ", softcap_fn(cap))
         for name, t, n in (("out", out, lq), ("dq", grads[0], lq), ("dk", grads[1], lkv), ("dv", grads[2], lkv)):
             assert (t[i, n:] == 0).all(), f"{name} past sequence {i}'s length"

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn.backends import reference
+from fused_attn.backends import reference_math
 from fused_attn.layouts import from_logical
-from helpers.attention import band_mask, band_mask_by_element, cu_seqlens, naive_attention, rand, tolerance
+from fused_attn.testing import (agreement_bound, assert_close, lse_tolerance, mask_band, packed_tolerances,
+                                reference_attention, tolerance)
+from helpers.attention import band_mask, band_mask_by_element, cu_seqlens, rand
 from helpers.mods import IndexMod
 from score_mods.base import ScoreMod
 
@@ -73,45 +75,45 @@ MASK_WINDOWS = [(m, w) for m in ("no_mask", "causal", "causal_bottom_right") for
 def test_masks_windows_gqa(gen, mask_type, window, hkv, sq, skv):
     q, k, v = _dense(gen, 2, 4, hkv, sq, skv, 8, 6)
     mask = _mask_for(mask_type, window, sq, skv)
-    want, want_lse = naive_attention(q, k, v, 0.3, mask)
+    want, _ = reference_attention(q, k, v, 0.3, mask)
+    want_lse, lse_bound = lse_tolerance(q, k, v, 0.3, torch.float32, mask)
     out, lse = fused_attn.dot_product_attention(
         from_logical(q, "bshd"), from_logical(k, "bshd"), from_logical(v, "bshd"), attn_mask_type=mask_type,
         window_size=window, softmax_scale=0.3, return_lse=True, backend="reference")
-    tol = tolerance(q, k, v, 0.3, mask)
     assert out.shape == (2, sq, 4, 6) and lse.dtype == torch.float32 and lse.shape == (2, 4, sq)
-    torch.testing.assert_close(out.transpose(1, 2).double(), want, atol=tol, rtol=0)
-    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-5)
+    assert_close(out.transpose(1, 2), want, tolerance(q, k, v, 0.3, torch.float32, mask), "out")
+    assert_close(lse, want_lse, lse_bound, "lse")
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 def test_layouts_keep_query_format(gen, fmt):
     q, k, v = _dense(gen, 2, 4, 2, 5, 7, 8, 4)
-    want, _ = naive_attention(q, k, v, 1 / math.sqrt(8), band_mask(5, 7, right=0))
+    mask = band_mask(5, 7, right=0)
+    want, _ = reference_attention(q, k, v, 1 / math.sqrt(8), mask)
     out = fused_attn.dot_product_attention(*(from_logical(t, fmt) for t in (q, k, v)), qkv_format=fmt,
                                            attn_mask_type="causal", backend="reference")
     assert out.shape == from_logical(want, fmt).shape
-    torch.testing.assert_close(out.double(), from_logical(want, fmt), atol=1e-5, rtol=0)
+    assert_close(out, from_logical(want, fmt), tolerance(q, k, v, 1 / math.sqrt(8), torch.float32, mask), fmt)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_dtypes(gen, dtype):
     q, k, v = _dense(gen, 2, 4, 2, 9, 9, 16, 16)
     mask = band_mask(9, 9, right=0)
-    want, _ = naive_attention(q, k, v, 0.25, mask)
+    want, _ = reference_attention(q, k, v, 0.25, mask)
     out = fused_attn.dot_product_attention(*(from_logical(t.to(dtype), "bshd") for t in (q, k, v)),
                                            attn_mask_type="causal", softmax_scale=0.25, backend="reference")
     assert out.dtype == dtype
-    tol = tolerance(q, k, v, 0.25, mask, dtype=dtype) if dtype != torch.float64 else 1e-12
-    torch.testing.assert_close(out.transpose(1, 2).double(), want, atol=tol, rtol=0)
+    assert_close(out.transpose(1, 2), want, tolerance(q, k, v, 0.25, dtype, mask), str(dtype))
 
 
 def test_score_mod_uses_every_index(gen):
     q, k, v = _dense(gen, 2, 4, 2, 5, 7, 8, 8)
     mask = band_mask(5, 7, right=0, bottom_right=True)
-    want, _ = naive_attention(q, k, v, 0.5, mask, index_fn)
+    want, _ = reference_attention(q, k, v, 0.5, mask, index_fn)
     out = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", softmax_scale=0.5, score_mod=IndexMod(),
                                            attn_mask_type="causal_bottom_right", backend="reference")
-    torch.testing.assert_close(out.double(), want, atol=tolerance(q, k, v, 0.5, mask, index_fn), rtol=0)
+    assert_close(out, want, tolerance(q, k, v, 0.5, torch.float32, mask, index_fn), "out")
 
 
 @pytest.mark.parametrize("mask_type", ["padding", "padding_causal"])
@@ -123,10 +125,11 @@ def test_dense_padding(gen, mask_type):
         cu_seqlens_kv=cu_seqlens(lkv), return_lse=True, backend="reference")
     for b in range(3):
         m = band_mask(5, 7, right=0 if mask_type == "padding_causal" else -1, q_len=lq[b], kv_len=lkv[b])
-        want, want_lse = naive_attention(q[b:b + 1].detach(), k[b:b + 1].detach(), v[b:b + 1].detach(),
-                                         1 / math.sqrt(8), m)
-        torch.testing.assert_close(out[b:b + 1].double(), want, atol=1e-5, rtol=0)
-        torch.testing.assert_close(lse[b:b + 1].double(), want_lse, atol=1e-4, rtol=1e-5)
+        qb, kb, vb = (t[b:b + 1].detach() for t in (q, k, v))
+        want, _ = reference_attention(qb, kb, vb, 1 / math.sqrt(8), m)
+        want_lse, lse_bound = lse_tolerance(qb, kb, vb, 1 / math.sqrt(8), torch.float32, m)
+        assert_close(out[b:b + 1], want, tolerance(qb, kb, vb, 1 / math.sqrt(8), torch.float32, m), f"out {b}")
+        assert_close(lse[b:b + 1], want_lse, lse_bound, f"lse {b}")
         assert torch.all(out[b, :, lq[b]:] == 0) and torch.all(lse[b, :, lq[b]:] == -math.inf)
     out.sum().backward()
     for b in range(3):  # positions past a length receive no gradient
@@ -135,52 +138,37 @@ def test_dense_padding(gen, mask_type):
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
-def _thd_reference(q, k, v, lq, lkv, off_q, off_kv, scale, mask_type, window, score_fn=None):
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
-    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64)
-    for b, (nq, nk) in enumerate(zip(lq, lkv)):
-        if nq == 0:
-            continue
-        qb = q[off_q[b]:off_q[b] + nq].transpose(0, 1)[None]
-        kb = k[off_kv[b]:off_kv[b] + nk].transpose(0, 1)[None]
-        vb = v[off_kv[b]:off_kv[b] + nk].transpose(0, 1)[None]
-        fn = None if score_fn is None else (lambda s, bb, h, qi, ki, b=b: score_fn(s, bb + b, h, qi, ki))
-        o, l = naive_attention(qb, kb, vb, scale, _mask_for(mask_type, window, nq, nk), fn)
-        out[off_q[b]:off_q[b] + nq] = o[0].transpose(0, 1)
-        lse[:, off_q[b]:off_q[b] + nq] = l[0]
-    return out, lse
-
-
 @pytest.mark.parametrize("mask_type,window", [("no_mask", None), ("causal", None), ("padding_causal", (2, 0)),
                                               ("causal_bottom_right", None), ("padding", (1, 1))])
 @pytest.mark.parametrize("with_mod", [False, True])
 def test_thd(gen, mask_type, window, with_mod):
     lq, lkv = [3, 0, 1, 6, 2], [4, 2, 1, 6, 0]
     q, k, v = rand(gen, sum(lq), 4, 8), rand(gen, sum(lkv), 2, 8), rand(gen, sum(lkv), 2, 4)
-    base = {"padding": "no_mask", "padding_causal": "causal"}.get(mask_type, mask_type)
     cq, ckv = cu_seqlens(lq), cu_seqlens(lkv)
-    want, want_lse = _thd_reference(q, k, v, lq, lkv, cq.tolist(), ckv.tolist(), 0.4, base, window,
-                                    index_fn if with_mod else None)
+    want, bounds = packed_tolerances(q, k, v, None, cq, ckv, 0.4, torch.float32, band=mask_band(mask_type, window),
+                                     score_fn=index_fn if with_mod else None)
     out, lse = fused_attn.dot_product_attention(
         q, k, v, qkv_format="thd", attn_mask_type=mask_type, window_size=window, softmax_scale=0.4,
         score_mod=IndexMod() if with_mod else None, cu_seqlens_q=cq, cu_seqlens_kv=ckv, return_lse=True,
         backend="reference")
     assert out.shape == (sum(lq), 4, 4) and lse.shape == (4, sum(lq))
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-5)
+    assert_close(out, want["out"], bounds["out"], "out")
+    assert_close(lse, want["lse"], bounds["lse"], "lse")
 
 
 def test_thd_padded_offsets(gen):
     lq, lkv = [2, 0, 3], [3, 1, 3]
     pq, pkv = [0, 4, 5, 9], [0, 3, 6, 10]
     q, k, v = rand(gen, 9, 2, 8), rand(gen, 10, 2, 8), rand(gen, 10, 2, 8)
-    want, want_lse = _thd_reference(q, k, v, lq, lkv, pq, pkv, 0.35, "causal", None)
+    padded = dict(cu_seqlens_q_padded=torch.tensor(pq, dtype=torch.int32),
+                  cu_seqlens_kv_padded=torch.tensor(pkv, dtype=torch.int32))
+    want, bounds = packed_tolerances(q, k, v, None, cu_seqlens(lq), cu_seqlens(lkv), 0.35, torch.float32,
+                                     band=mask_band("causal"), **padded)
     out, lse = fused_attn.dot_product_attention(
         q, k, v, qkv_format="thd", attn_mask_type="causal", softmax_scale=0.35, cu_seqlens_q=cu_seqlens(lq),
-        cu_seqlens_kv=cu_seqlens(lkv), cu_seqlens_q_padded=torch.tensor(pq, dtype=torch.int32),
-        cu_seqlens_kv_padded=torch.tensor(pkv, dtype=torch.int32), return_lse=True, backend="reference")
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
-    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-5)
+        cu_seqlens_kv=cu_seqlens(lkv), return_lse=True, backend="reference", **padded)
+    assert_close(out, want["out"], bounds["out"], "out")
+    assert_close(lse, want["lse"], bounds["lse"], "lse")
     assert torch.all(out[2:4] == 0) and torch.all(out[8] == 0)  # the gaps stay zero
 
 
@@ -202,10 +190,10 @@ def test_query_blocks_match_single_block(gen, monkeypatch):
     kw = dict(qkv_format="bhsd", attn_mask_type="causal_bottom_right", window_size=(4, 0), score_mod=IndexMod(),
               return_lse=True, backend="reference")
     out1, lse1 = fused_attn.dot_product_attention(q, k, v, **kw)
-    monkeypatch.setattr(reference, "MAX_BLOCK_ELEMENTS", 4 * 2 * 20 * 5)  # 5 rows per block, 7 blocks
+    monkeypatch.setattr(reference_math, "MAX_BLOCK_ELEMENTS", 4 * 2 * 20 * 5)  # 5 rows per block, 7 blocks
     out2, lse2 = fused_attn.dot_product_attention(q, k, v, **kw)
-    torch.testing.assert_close(out1, out2, atol=1e-6, rtol=0)
-    torch.testing.assert_close(lse1, lse2, atol=1e-6, rtol=0)
+    assert_close(out1, out2, agreement_bound(out2, torch.float32), "out")
+    assert_close(lse1, lse2, agreement_bound(lse2, torch.float32), "lse")
 
 
 def test_runner_forward_backward_match_autograd(gen):
@@ -264,10 +252,10 @@ def test_library_score_mod_composes_with_masks(gen):
     q, k, v = _dense(gen, 2, 2, 2, 6, 6, 8, 8)
     mask = band_mask(6, 6, 2, 0)
     fn = lambda s, b, h, qi, ki: 5.0 * torch.tanh(s / 5.0)
-    want, _ = naive_attention(q, k, v, 0.5, mask, fn)
+    want, _ = reference_attention(q, k, v, 0.5, mask, fn)
     out = fused_attn.dot_product_attention(q, k, v, qkv_format="bhsd", attn_mask_type="causal", window_size=(2, 0),
                                            softmax_scale=0.5, score_mod=score_mods.softcap(5.0), backend="reference")
-    torch.testing.assert_close(out.double(), want, atol=tolerance(q, k, v, 0.5, mask, fn), rtol=0)
+    assert_close(out, want, tolerance(q, k, v, 0.5, torch.float32, mask, fn), "out")
 
 
 def test_cudnn_backend_on_cpu_raises(gen):
@@ -308,7 +296,7 @@ def test_attention_backward_with_grad_mode_off_equals_autograd(gen):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     want = torch.autograd.grad(fused_attn.dot_product_attention(*leaves, attn_mask_type="causal", backend="reference"),
                                leaves, do)
-    for on, off, w in zip(grads_on, grads_off, want):  # the lse crosses as fp32: agreement to ~1e-7
+    for on, off, w in zip(grads_on, grads_off, want):  # the lse crosses as fp32: fp32 agreement
         assert w.abs().max() > 0.1
-        torch.testing.assert_close(off, w, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(on, w, rtol=1e-5, atol=1e-6)
+        assert_close(off, w, agreement_bound(w, torch.float32), "grad mode off")
+        assert_close(on, w, agreement_bound(w, torch.float32), "grad mode on")

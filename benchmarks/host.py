@@ -154,7 +154,7 @@ def _transformers_fns(q, k, v, do, backend: str) -> Dict[str, Callable[[], objec
     try:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from ..integrations.transformers import make_attention_forward
+        from fused_attn.integrations.transformers import make_attention_forward
     except ImportError:
         return {}
     layer = types.SimpleNamespace(is_causal=False, training=True)  # what the functions read of a layer

@@ -121,7 +121,7 @@ def run_doc_packed(device, quick: bool, *, b: int = 2, s: int = 8192, docs: int 
     if device.type == "cuda":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        from .bench_mods import _compiled_flex
+        from .mods import _compiled_flex
 
         doc_id = torch.zeros(b, s, dtype=torch.int32, device=device)
         for row in range(b):
@@ -171,7 +171,7 @@ def run_chunked_prefill(device, quick: bool, *, n: int = N, chunk: int = 512, ma
     if device.type == "cuda":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        from .bench_mods import _compiled_flex
+        from .mods import _compiled_flex
 
         doc_q = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(lens_q, device=device))
         doc_k = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(lens_k, device=device))

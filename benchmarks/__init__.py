@@ -1,4 +1,6 @@
-"""Benchmarks of fused_attn against its peers: `python -m fused_attn bench [suite] [--quick] [--out DIR]`.
+"""Benchmarks of fused_attn against its peers: `python -m benchmarks [suite] [--quick] [--out DIR]`
+from a source checkout (`python -m fused_attn bench ...` runs the same from one). Not part of the
+installed package: the wheel ships `fused_attn` and `score_mods` only.
 
 Suites: host (host overhead, build times), dense, mods (score_mods), varlen, models (training
 Hugging Face models, needs transformers); `all` runs them in that order; `cpu` (not in `all`) compares
@@ -21,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..progress import progress
+from fused_attn.progress import progress
 from .common import DEFAULT_OUT, environment, print_table, write_results
 from .runner import SuiteResult
 
@@ -36,7 +38,7 @@ def _suite_runner(name: str) -> Callable[[bool, torch.device], SuiteResult]:
     elif name == "dense":
         from .dense import run
     elif name == "mods":
-        from .bench_mods import run
+        from .mods import run
     elif name == "models":
         from .models import run
     else:
@@ -45,7 +47,7 @@ def _suite_runner(name: str) -> Callable[[bool, torch.device], SuiteResult]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fused_attn bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all", "cpu"),
                    help="cpu: the torch engine vs torch SDPA / compiled flex vs the reference on this CPU")
     p.add_argument("--quick", action="store_true", help="reduced grid (whole `all --quick` run: a few minutes)")
@@ -68,13 +70,13 @@ def _report(name: str, result: SuiteResult, env: Dict[str, str], out: str, show:
 
 def cpu_smoke(out: str) -> SuiteResult:
     """Tiny host, dense, score_mod, varlen and training-loop runs on CPU with the reference backend; writes smoke_cpu.csv/.md."""
-    from . import bench_mods, dense, host, varlen
+    from . import dense, host, mods, varlen
 
     cpu = torch.device("cpu")
     result = SuiteResult(notes=["CPU smoke run of the harness (reference backend); timings are meaningless"])
     result.extend(dense.run_one(2, 64, 4, 4, 16, True, cpu, seed=0))
     result.extend(dense.run_one(1, 48, 4, 2, 16, False, cpu, seed=1))
-    result.extend(bench_mods.run(True, cpu, shape=(1, 2, 64, 16)))
+    result.extend(mods.run(True, cpu, shape=(1, 2, 64, 16)))
     result.extend(varlen.run_varlen_config([17, 64, 5], 2, 16, False, cpu, True))
     result.extend(varlen.run_doc_packed(cpu, True, b=1, s=256, docs=3, h=2, d=16, causal=True))
     result.extend(varlen.run_training_loop(cpu, 3, n=2, max_len=40, h=2, d=16))
@@ -110,7 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not torch.cuda.is_available():
         if not args.cpu_smoke:
             print("fused_attn benchmarks need a CUDA GPU, and torch sees none. To exercise the harness on CPU at "
-                  "tiny shapes (timings meaningless): python -m fused_attn bench --cpu-smoke", file=sys.stderr)
+                  "tiny shapes (timings meaningless): python -m benchmarks --cpu-smoke", file=sys.stderr)
             return 2
         print("fused_attn benchmarks need a CUDA GPU; none is available: running --cpu-smoke.")
         result = cpu_smoke(args.out)
