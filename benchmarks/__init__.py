@@ -48,8 +48,13 @@ def _suite_runner(name: str) -> Callable[[bool, torch.device], SuiteResult]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    p.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all", "cpu"),
-                   help="cpu: the torch engine vs torch SDPA / compiled flex vs the reference on this CPU")
+    p.add_argument("suite", nargs="?", default="all", choices=SUITES + ("all", "cpu", "engines"),
+                   help="cpu: the torch engine vs torch SDPA / compiled flex vs the reference on this CPU; "
+                        "engines: fused_attn's engines (cuDNN, FA4) and the peers over problem families "
+                        "(bench_engines.py)")
+    p.add_argument("--write-table", action="store_true",
+                   help="engines suite only: store the measured engine table backend='auto' chooses from "
+                        "(fused_attn/speed/<arch>.csv)")
     p.add_argument("--quick", action="store_true", help="reduced grid (whole `all --quick` run: a few minutes)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--families", default=None,
@@ -101,6 +106,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad or not families:
             print(f"--families: unknown model family {bad or args.families!r}; choose from {', '.join(FAMILIES)}")
             return 2
+    if args.suite == "engines":
+        from .bench_engines import main as run_engines
+
+        return run_engines(["--out", args.out] + (["--quick"] if args.quick else [])
+                           + (["--write-table"] if args.write_table else []))
     if args.suite == "cpu":
         from .cpu import run as run_cpu
 

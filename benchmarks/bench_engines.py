@@ -9,6 +9,7 @@ forward and forward + backward, three numbers per implementation:
     wall_ms  wall time per step over back-to-back steps, one synchronize at the end
     host_us  host time per call while the GPU works behind it (`host_us_launching`)
 
+    python -m fused_attn bench engines [--write-table] [--quick] [--out DIR]
     python benchmarks/bench_engines.py --out OUT_DIR [--write-table] [--quick]
 
 --write-table stores each fused_attn engine's cost per call, max(GPU time, host time) (a call
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fused_attn  # noqa: E402
 import score_mods as sm  # noqa: E402
 from fused_attn import engine_speed, engines, testing  # noqa: E402
-from fused_attn.bench.timing import device_ms_per_call, host_us_launching  # noqa: E402
+from benchmarks.timing import device_ms_per_call, host_us_launching  # noqa: E402
 
 DT = torch.bfloat16
 
