@@ -12,7 +12,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from . import abstract, engines, extensions
-from . import validation as V
+from .length_checks import derive_max_seqlens
 from .autograd import attention
 from .key_range import trim_unattended_keys
 from .plan import NO_VARLEN, CallPlan, Explanation, Varlen, call_signature, check_values, explain_plan, get_plan
@@ -154,7 +154,7 @@ def _complete(spec: AttentionSpec, varlen: Varlen) -> Varlen:
     if spec.is_packed and (varlen.max_seqlen_q is None or varlen.max_seqlen_kv is None):
         if abstract.is_abstract(varlen.cu_seqlens_q, varlen.cu_seqlens_kv):
             return varlen  # nothing to read: the abstract path bounds them by the token counts
-        mq, mk = V.derive_max_seqlens(varlen)
+        mq, mk = derive_max_seqlens(varlen)
         return varlen._replace(max_seqlen_q=mq, max_seqlen_kv=mk)
     return varlen
 

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 
 from . import engine_speed, engines, planning
+from . import length_checks as L
 from . import validation as V
 from .memo import register_clear
 from .layouts import logical_shape
@@ -213,7 +214,7 @@ def _static_problem(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varle
     fmt = spec.qkv_format
     V.check_qkv(q, k, v, fmt)
     packed = fmt == "thd"
-    structure = V.check_length_structure(fmt, spec.attn_mask_type, q, k, varlen)
+    structure = L.check_length_structure(fmt, spec.attn_mask_type, q, k, varlen)
     ql, kl, vl = (logical_shape(t, fmt) for t in (q, k, v))
     batch = varlen.cu_seqlens_q.numel() - 1 if packed else ql[0]
     if packed:
@@ -280,7 +281,7 @@ def check_values(plan: Any, query: torch.Tensor, key: torch.Tensor, varlen: Varl
         limits = (varlen.max_seqlen_q, varlen.max_seqlen_kv)
     else:
         limits = (problem.seqlen_q, problem.seqlen_kv)
-    V.check_length_values(problem.spec.qkv_format, query, key, varlen, limits)
+    L.check_length_values(problem.spec.qkv_format, query, key, varlen, limits)
 
 
 def explain_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,

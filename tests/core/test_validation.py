@@ -149,7 +149,7 @@ def test_thd_errors(packed, kw, exc, match):
 
 def test_thd_max_seqlen_derived(packed):
     from fused_attn.plan import Varlen
-    from fused_attn.validation import derive_max_seqlens
+    from fused_attn.length_checks import derive_max_seqlens
 
     assert derive_max_seqlens(Varlen(i32([0, 3, 7]), i32([0, 0, 7]))) == (4, 7)
     assert fused_attn.explain(*packed, qkv_format="thd", cu_seqlens_q=i32([0, 3, 7]),
@@ -172,7 +172,7 @@ def test_cu_seqlens_lengths_message(qkv):
 def test_device_value_check_each_condition(case):
     """The CUDA path's one-assertion cu_seqlens check, run on CPU tensors (where the assertion
     raises at once): each condition violated alone."""
-    from fused_attn import validation
+    from fused_attn import length_checks
 
     cu_q, cu_kv = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 2, 6], dtype=torch.int32)
     names, extra, tokens, limits = ["cu_seqlens_q", "cu_seqlens_kv"], [], (7, 6), (4, 4)
@@ -191,11 +191,11 @@ def test_device_value_check_each_condition(case):
         names, extra, tokens = names + ["cu_seqlens_q_padded"], [torch.tensor([0, 2, 9], dtype=torch.int32)], (9, 6)
     tensors = [cu_q, cu_kv] + extra
     if case == "valid":
-        validation._check_values_on_device(names, tensors, tokens, limits)
-        validation._check_values_on_device(names, tensors, None, limits)  # dense: no token counts
+        length_checks._check_values_on_device(names, tensors, tokens, limits)
+        length_checks._check_values_on_device(names, tensors, None, limits)  # dense: no token counts
     else:
         with pytest.raises(RuntimeError, match="invalid cu_seqlens"):
-            validation._check_values_on_device(names, tensors, tokens, limits)
+            length_checks._check_values_on_device(names, tensors, tokens, limits)
 
 
 def test_within_by_runs_equals_the_copied_bounds_form():
@@ -203,7 +203,7 @@ def test_within_by_runs_equals_the_copied_bounds_form():
     what the copied-bounds form says, over random values and bounds with repeated runs."""
     import random
 
-    from fused_attn.validation import within, within_by_runs
+    from fused_attn.length_checks import within, within_by_runs
 
     rng = random.Random(3)
     for _ in range(300):

@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from ...memo import BoundedMemo
-from ...validation import within
+from ...length_checks import within
 from . import thd_kernel
 
 __all__ = ["bucket_batch", "bucket_seqlen", "ThdBatch", "ThdLayout", "prepare", "prepare_unchecked",

@@ -9,6 +9,7 @@ import torch
 
 import score_mods as sm
 from fused_attn.backends.cudnn import band_chunks as C
+from fused_attn.backends.cudnn import band_pieces as BP
 from fused_attn.functional import _run_plan
 from fused_attn.plan import NO_VARLEN, CallPlan
 from fused_attn.problem import Band
@@ -20,16 +21,16 @@ from fused_attn.testing import agreement_bound, assert_close
 def small_thresholds(monkeypatch):
     """Cut calls of any size that saves any work (the shipped cost model is for H200 kernels)."""
     _no_host_cost(monkeypatch)
-    monkeypatch.setattr(C, "WINDOW_CHUNK", 128)
+    monkeypatch.setattr(BP, "WINDOW_CHUNK", 128)
     C.clear_memos()
     yield
     C.clear_memos()
 
 
 def test_bounds_cover_the_rows_on_tile_multiples():
-    assert C.bounds(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    assert BP.bounds(4096, 4) == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
     for n, chunks in ((2048, 4), (2100, 4), (2111, 3), (5000, 8), (300, 4), (128, 4)):
-        b = C.bounds(n, chunks)
+        b = BP.bounds(n, chunks)
         assert b[0][0] == 0 and b[-1][1] == n and all(x[1] == y[0] for x, y in zip(b, b[1:]))
         assert all(e % 128 == 0 for _, e in b[:-1]) and all(e > s for s, e in b)
 
@@ -46,7 +47,7 @@ def _allowed(band, sq, skv):
 
 
 def _check_rectangles(band, sq, skv):
-    pieces = C.plan_pieces(band, sq, skv)
+    pieces = BP.plan_pieces(band, sq, skv)
     full = _allowed(band, sq, skv)
     if pieces is None:  # refused only when a row has no key (or a bound would be negative)
         return full.any(dim=1).all().item() is False or None
@@ -97,14 +98,14 @@ def test_rectangles_hold_exactly_random_bands(small_thresholds):
 
 def test_rows_without_keys_are_not_cut(small_thresholds):
     # bottom-right causal with Skv < Sq: the first Sq - Skv rows see no key
-    assert C.plan_pieces(Band(None, 0, True), 800, 600) is None
+    assert BP.plan_pieces(Band(None, 0, True), 800, 600) is None
 
 
 def test_work_shares():
     C.clear_memos()
-    assert C.plan_pieces(Band(None, 0, False), 4096, 4096).work == pytest.approx(10 / 16)
-    window = C.plan_pieces(Band(1023, 0, False), 4096, 4096)
-    assert window.work < 0.45 and len(window.forward) == 4096 // max(C.WINDOW_CHUNK, 1024)
+    assert BP.plan_pieces(Band(None, 0, False), 4096, 4096).work == pytest.approx(10 / 16)
+    window = BP.plan_pieces(Band(1023, 0, False), 4096, 4096)
+    assert window.work < 0.45 and len(window.forward) == 4096 // max(BP.WINDOW_CHUNK, 1024)
 
 
 
@@ -249,15 +250,15 @@ def test_tables_or_sinks_that_train_are_not_chunked(small_thresholds):
     (Band(None, 0, False), 1, 1, 1024, 64, False, None),  # 0.03 -> 0.16 ms if cut
 ])
 def test_the_cost_model_weighs_saved_gpu_time_against_added_host_time(band, b, h, s, d, grad, expected):
-    pieces = C.plan_pieces(band, s, s)
-    assert C.strategy(pieces, b * h * s * s, d, grad, b * h * s * d) == expected
+    pieces = BP.plan_pieces(band, s, s)
+    assert BP.strategy(pieces, b * h * s * s, d, grad, b * h * s * d) == expected
 
 
 def _no_host_cost(monkeypatch, per_piece=(0.0, 0.0, 0.0)):
     """No host cost and no fixed GPU cost per rectangle: any saved work pays."""
-    monkeypatch.setattr(C, "HOST_NS_CALL", (0.0, 0.0))
-    monkeypatch.setattr(C, "HOST_NS_PER_PIECE", per_piece)
-    monkeypatch.setattr(C, "PIECE_NS_PER_QUERY_ELEMENT", (0.0, 0.0))
+    monkeypatch.setattr(BP, "HOST_NS_CALL", (0.0, 0.0))
+    monkeypatch.setattr(BP, "HOST_NS_PER_PIECE", per_piece)
+    monkeypatch.setattr(BP, "PIECE_NS_PER_QUERY_ELEMENT", (0.0, 0.0))
     C.clear_memos()
 
 
@@ -395,11 +396,11 @@ def test_the_packed_window_serves_only_top_left_windows_on_bshd(small_thresholds
 def test_the_cost_model_offers_the_packed_window_where_it_saves_backward_work():
     """At B1 H16 S8192 D64 with a 1024 window the packed backward (0.18 of the square) beats the plain
     backward and its host time; a packed backward over most of the square does not."""
-    pieces = C.plan_pieces(Band(1023, 0, False), 8192, 8192)
+    pieces = BP.plan_pieces(Band(1023, 0, False), 8192, 8192)
     scores, elements = 16 * 8192 * 8192, 16 * 8192 * 64
-    assert C.strategy(pieces, scores, 64, True, elements, 0.18) == "ragged"
-    assert C.strategy(pieces, scores, 64, True, elements, 0.95) != "ragged"
-    assert C.strategy(pieces, scores, 64, False, elements, 0.18) != "ragged"
+    assert BP.strategy(pieces, scores, 64, True, elements, 0.18) == "ragged"
+    assert BP.strategy(pieces, scores, 64, True, elements, 0.95) != "ragged"
+    assert BP.strategy(pieces, scores, 64, False, elements, 0.18) != "ragged"
 
 
 @pytest.mark.parametrize("batch, seq, left", [(2, 700, 200), (3, 1000, 127), (1, 557, 300)])
