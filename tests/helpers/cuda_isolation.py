@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 
 _STICKY = ("illegal memory access", "illegal address", "unspecified launch failure",
-           "CUDA_DRIVER", "misaligned address", "an illegal instruction")
+           "CUDA_DRIVER", "misaligned address", "an illegal instruction",
+           # a device-side assert (our asynchronous cu_seqlens checks, torch's) is sticky too
+           "device-side assert", "cudaErrorAssert")
 
 
 def _sticky(report) -> bool:

@@ -119,18 +119,11 @@ class Fa4Runner:
         args = self._common(varlen, mod, sinks, q)
         if self.fns is not None:
             args["score_mod"] = self.fns.score_mod
-        shape = tuple(q.shape[:-1]) + (v.shape[-1],)
-        lse = None
-        if self.packed:
-            # rows past the last sequence (a tensor longer than cu_seqlens[-1]) are not written by
-            # the kernel: out 0 and lse -inf there, as the reference
-            out = q.new_zeros(shape)
-            lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-        else:
-            out = q.new_empty(shape)
+        # thd: cu_seqlens end at the token count (checked per call), so every row is written
+        out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
         with torch.no_grad():
             _, lse, *_ = fa._flash_attn_fwd(_bshd(q, self.fmt), _bshd(k, self.fmt), _bshd(v, self.fmt),
-                                            out=_bshd(out, self.fmt), lse=lse, return_lse=True, **args)
+                                            out=_bshd(out, self.fmt), return_lse=True, **args)
         if dest is not None:
             dest[0].copy_(out)
             dest[1].copy_(lse.unsqueeze(-1))
@@ -164,8 +157,6 @@ class Fa4Runner:
             args["score_mod"], args["score_mod_bwd"] = self.fns.score_mod, self.fns.score_mod_bwd
         if "softcap" not in args:
             args["softcap"] = 0.0
-        if self.packed:  # rows outside every sequence get no gradient
-            args.update(dq=torch.zeros_like(q), dk=torch.zeros_like(k), dv=torch.zeros_like(v))
         with torch.no_grad():
             got = fa._flash_attn_bwd(_bshd(q, self.fmt), _bshd(k, self.fmt), _bshd(v, self.fmt),
                                      _bshd(out, self.fmt), _bshd(grad_out, self.fmt), lse,

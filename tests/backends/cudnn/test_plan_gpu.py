@@ -231,7 +231,10 @@ def test_varlen_two_sided_window_with_unequal_lengths():
 
 
 def test_auto_fallback_warns_once_and_explains():
-    q, k, v = bshd(1, 64, 2, 64), bshd(1, 64, 2, 64, seed=1), bshd(1, 64, 2, 64, seed=2)
+    """float32 CUDA tensors: no GPU engine takes them, so auto runs the reference, warns once per
+    plan and says why; a document mask in bf16 runs on FA4 where it is installed (its CuTe
+    lowering reads the ids), else on the reference with the same warning."""
+    q, k, v = (t.float() for t in (bshd(1, 64, 2, 64), bshd(1, 64, 2, 64, seed=1), bshd(1, 64, 2, 64, seed=2)))
     mod = sm.document_mask(torch.arange(64, device="cuda") // 16)
     with pytest.warns(fused_attn.FallbackWarning, match="reference backend"):
         fused_attn.dot_product_attention(q, k, v, score_mod=mod)
@@ -239,7 +242,12 @@ def test_auto_fallback_warns_once_and_explains():
         warnings.simplefilter("error", fused_attn.FallbackWarning)
         fused_attn.dot_product_attention(q, k, v, score_mod=mod)  # same plan: no second warning
     why = fused_attn.explain(q, k, v, score_mod=mod)
-    assert why.backend == "reference" and "document" in why.reason
+    assert why.backend == "reference" and "float16 or bfloat16" in why.reason
+    half = [t.to(torch.bfloat16) for t in (q, k, v)]
+    from fused_attn import engines
+
+    expected = "fa4" if engines.available("fa4") else "reference"
+    assert fused_attn.explain(*half, score_mod=mod).backend == expected
 
 
 @pytest.mark.parametrize("batch,docs", [(1, 1), (2, 3), (4, 6)])

@@ -22,7 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import band_mask, quirk_applies
+from helpers.attention import band_mask
+from helpers.mods import quirk_applies
 from fused_attn.layouts import to_logical
 from fused_attn.testing import assert_close, grad_tolerances, reference_attention, tolerance
 
