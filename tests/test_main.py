@@ -55,6 +55,10 @@ def test_explain_command(capsys):
     assert "backend: torch" in capsys.readouterr().out  # torch's CPU kernel serves a plain causal call
     assert main_mod.main(["explain", "--device", "cpu", "--heads", "3", "--kv-heads", "2"]) == 1
     assert "multiple of" in capsys.readouterr().err
+    for backend in ("torch", "reference"):  # every backend can be named
+        assert main_mod.main(["explain", "--device", "cpu", "--dtype", "float32", "--heads", "2", "--head-dim", "16",
+                              "--seqlen", "8", "--backend", backend]) == 0
+        assert f"backend: {backend}" in capsys.readouterr().out
 
 
 def test_bench_dispatch(monkeypatch):
