@@ -12,7 +12,7 @@ import torch
 import fused_attn
 import fused_attn.functional as F
 import score_mods as sm
-from conftest import band_mask, check_packed_sequence, cu_seqlens, rand
+from conftest import band_mask, check_packed_sequence, cu_seqlens, quick_cover, rand
 from fused_attn.layouts import from_logical
 from fused_attn.testing import assert_close, bound_from, reference_attention, tolerance
 
@@ -56,8 +56,8 @@ def _check(views, fmt, kw, mask, scale, score_fn=None, grads=True):
     check_packed_sequence(o_log, lse, [t.permute(PERM[fmt]) for t in g], ql, kl, vl, do, scale, mask)
 
 
-@pytest.mark.parametrize("mask_type,window", BAND_CASES)
-@pytest.mark.parametrize("sq,skv", [(7, 7), (5, 11), (11, 5), (1, 1), (1, 9)])
+@pytest.mark.parametrize("mask_type,window,sq,skv",
+                         quick_cover(BAND_CASES, [(7, 7), (5, 11), (11, 5), (1, 1), (1, 9)]))
 def test_bands_gqa_awkward_lengths(gen, mask_type, window, sq, skv):
     """Causal variants, windows and bottom-right alignment with Sq != Skv (rows with no key: out 0,
     lse -inf), GQA 4/2, odd lengths and length 1: out, lse, dq, dk, dv against float64."""
@@ -66,9 +66,8 @@ def test_bands_gqa_awkward_lengths(gen, mask_type, window, sq, skv):
     _check(views, "bshd", kw, _mask(mask_type, window, sq, skv), 0.3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
-@pytest.mark.parametrize("mask_type,window", [("causal", None), ("no_mask", (3, 2))])
+@pytest.mark.parametrize("dtype,fmt,mask_type,window", quick_cover(
+    [torch.bfloat16, torch.float16, torch.float64], ["bshd", "sbhd", "bhsd"], [("causal", None), ("no_mask", (3, 2))]))
 def test_dtypes_and_layouts(gen, dtype, fmt, mask_type, window):
     _, views = _qkv(gen, 2, 4, 1, 13, 13, 32, dtype, fmt)
     kw = dict(attn_mask_type=mask_type, window_size=window)
