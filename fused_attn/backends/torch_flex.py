@@ -111,8 +111,9 @@ def clear() -> None:
 
 def _make_call(prog: Any, float_names: tuple, tensor_names: tuple, ints: dict, scale: float, gqa: bool,
                pad: int, band: Optional[Any], tag: int) -> Callable:
-    """A compiled (q, k, v, floats (n,) fp64, tensors, block_mask or None, lens) -> out (B, H, Sq, Dv)
-    for one mod structure. pad: zero columns added to q and k (`padded_head_dim`). lens: None (the
+    """A compiled (q, k, v, floats (n,) fp32, tensors, block_mask or None, lens) -> out (B, H, Sq, Dv)
+    for one mod structure (floats in fp32, the kernel's score dtype: the reference's arithmetic with
+    Python floats, and vectorised; fp64 values made the kernel compute the mod in fp64). pad: zero columns added to q and k (`padded_head_dim`). lens: None (the
     mod sees Sq and Skv; the band is the block mask's) or per-sequence lengths (q_lens (B,),
     kv_lens (B,)) int64: the mod sees them, and positions past them or outside `band` (aligned
     with those lengths) score -inf after the mod."""
@@ -233,7 +234,7 @@ class FlexRunner:
     def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None, dest=None):
         ql, kl, vl = (t.permute(self.perm) for t in (q, k, v))
         typed = mod.scalars_typed()
-        floats = torch.tensor([float(typed[n]) for n in _float_names(mod)], dtype=torch.float64)
+        floats = torch.tensor([float(typed[n]) for n in _float_names(mod)], dtype=torch.float32)
         with torch.no_grad():
             if ql.shape[2] == 0 or kl.shape[2] == 0:
                 o = ql.new_zeros(ql.shape[:3] + (vl.shape[3],))
