@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--families", default=None,
                    help="models suite only: comma-separated model families (default: llama,gemma2,gpt_oss)")
+    p.add_argument("--only", default=None, help="cpu suite only: the configs whose label contains this text")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="without a CUDA GPU: run the harness at tiny shapes on CPU (reference backend)")
     return p
@@ -114,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.suite == "cpu":
         from .cpu import run as run_cpu
 
-        rows = run_cpu(args.quick, args.out)
+        rows = run_cpu(args.quick, args.out, only=args.only)
         wrong = [r for r in rows if not str(r.get("check", "")).startswith("ok")]
         for r in wrong:
             print("FAILED:", r["config"], r["impl"], r["check"])

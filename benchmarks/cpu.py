@@ -1,13 +1,13 @@
 """CPU benchmark: fused_attn's auto engine vs torch SDPA vs the reference, and score_mods vs compiled flex.
 
-    python -m fused_attn bench cpu [--quick] [--out DIR]
+    python -m fused_attn bench cpu [--quick] [--only TEXT] [--out DIR]
 
 Shapes (BSHD, H 16 / Hkv 4, D 128, causal as in the README's module example): B1 S2048 bf16 and
 fp32; without --quick also the README example's B2 S4096 bf16 and fp32. A causal softcap score_mod
-(inference: torch's CPU flex has no backward) at B1 S2048 bf16 against flex_attention compiled by
-hand (with the causal block mask). Each impl's output is first
-checked against float64 on a slice (batch 0, the first kv head's query heads, the first 128
-query rows, every key) with the project's bound (`fused_attn.testing.bound_from`).
+(inference: torch's CPU flex has no backward) at B1 S2048 bf16 and fp32 against flex_attention
+compiled by hand (with the causal block mask). --only: the configs whose label contains TEXT.
+Each impl's output is first checked against float64 on a slice (batch 0, the first kv head's query
+heads, the first 128 query rows, every key) with the project's bound (`fused_attn.testing.bound_from`).
 
 Times: median of 3 calls (forward + backward: 2) after one warm-up call, time.perf_counter; the
 forward times of fused_attn and its torch peer are then re-measured with their calls interleaved
@@ -214,6 +214,8 @@ def configs(quick: bool, only: Optional[str] = None) -> list:
     grid.append(("causal B1 S2048 H16/4 D128 fp32", 1, 2048, torch.float32, None, "all"))
     if not quick:
         grid.append(("README causal B2 S4096 H16/4 D128 fp32", 2, 4096, torch.float32, None, "none"))
+    grid.append(("causal softcap B1 S2048 H16/4 D128 fp32 (inference)", 1, 2048, torch.float32, sm.softcap(30.0),
+                 "none"))
     return [c for c in grid if only is None or only in c[0]]
 
 

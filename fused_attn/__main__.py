@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--mask", default="no_mask", help="attn_mask_type (no_mask, causal, causal_bottom_right)")
     e.add_argument("--window", type=int, nargs=2, default=None, metavar=("LEFT", "RIGHT"), help="window_size")
     e.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    e.add_argument("--backend", default="auto", choices=("auto", "cudnn", "reference"))
+    e.add_argument("--backend", default="auto", choices=("auto", "cudnn", "torch", "reference"))
     h = sub.add_parser("help", help="show this help, or a command's")
     h.add_argument("topic", nargs="?", choices=COMMANDS)
     return p

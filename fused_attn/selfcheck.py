@@ -134,11 +134,12 @@ def cudnn_status() -> str:
     from .backends.cudnn import version
 
     if not torch.cuda.is_available():
-        return (f"cuDNN: none loaded (torch {torch.__version__} sees no CUDA device); every call runs on the "
-                "reference backend")
+        return (f"cuDNN: none loaded (torch {torch.__version__} sees no CUDA device); CPU calls run on the torch "
+                "engine (torch's own kernels) where it is exact, else on the reference backend")
     reason = version.unavailable_reason()
     if reason is not None:
-        return f"cuDNN: not used ({reason}); calls run on the reference backend"
+        return (f"cuDNN: not used ({reason}); calls run on the torch engine (CPU tensors) or the reference "
+                "backend")
     import cudnn
 
     v = version.backend_version()

@@ -1,21 +1,28 @@
 """The torch engine's score_mod path: torch.compile'd flex_attention on CPU (inference only).
 
-One compiled function per (mod structure, integer parameter values, scale, GQA, dtype, shapes), kept in a
-bounded, lock-protected LRU (`FLEX_CACHE`, cleared by `fused_attn.graph_cache.clear()`). Float
-parameters and tensor parameters are inputs of the compiled function, so a new value never
-recompiles; shapes are static (one entry per shape: torch 2.13's CPU flex template with dynamic
-shapes and a block mask emits C++ that does not compile), so a new shape compiles once (10-30 s on
-a small CPU). Each entry has its own code object, so torch.compile's per-function recompile limit
-never makes one entry fall back to eager because of another.
+One compiled function per (mod structure, integer parameter values, scale, GQA, dtype, shapes, lengths
+and band when lengths are given), kept in a bounded, lock-protected LRU (`FLEX_CACHE`, cleared by
+`fused_attn.graph_cache.clear()`). Float parameters and tensor parameters are inputs of the compiled
+function, so a new value never recompiles; shapes are static (one entry per shape: torch 2.13's CPU
+flex template with dynamic shapes and a block mask emits C++ that does not compile), so a new shape
+compiles once (10-30 s on a small CPU). Each entry has its own code object, so torch.compile's
+per-function recompile limit never makes one entry fall back to eager because of another.
 
 The band (causal, windows, bottom-right alignment) is a flex BlockMask (cached per band and shape in
 the same LRU): tiles no query attends are skipped, the others masked after the mod as the reference
-does; rows with no allowed key give out 0 (flex's convention).
+does; rows with no allowed key give out 0 (flex's convention, the reference's too). Dense padding
+(per-sequence lengths): the mod sees each sequence's lengths, positions past them are masked after
+the mod inside the score function (and zeroed in q, k, v first, so garbage there reaches nothing);
+the band's BlockMask still skips tiles where it does not depend on the lengths (top-left bands).
+
+Head dims 8 and 16: q and k are zero-padded to 24 (`padded_head_dim`, the dot products and the
+explicit scale unchanged): torch 2.13's CPU kernel is wrong there (see `padded_head_dim`).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import types
 from collections import OrderedDict
@@ -31,19 +38,35 @@ _PERM = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
 _FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim q and k are given to the CPU flex kernel: 8 and 16 are zero-padded to 24.
+
+    torch 2.13's CPU flex kernel (inductor's C++ template) computes q @ k^T with a micro-GEMM of
+    16-key tiles; for the last tile of a block narrower than 16 it takes a shortcut when head_dim
+    is a multiple of the vector width and below 24, and, when the tail is exactly one vector wide
+    (8 keys on AVX2: Skv % 16 == 8), it still stores a 16-key row: past the score tile into the
+    running row maxima, reading keys past the end. The output is then off by O(1) and changes from
+    run to run. From head_dim 24 on the kernel takes its general path; zero columns leave every
+    dot product as it was (the scale is passed explicitly, so it does not follow the padding)."""
+    return 24 if head_dim in (8, 16) else head_dim
+
+
 def refusal(problem, mod: Any) -> Optional[str]:
     """Why flex on CPU cannot run this score_mod problem exactly (None: it can)."""
     spec = problem.spec
     if getattr(mod, "root", None) is None or not hasattr(mod, "specs"):
         return f"score_mod {getattr(mod, 'name', mod)!r} is not a traced score_mod (flex needs its torch form)"
     if problem.needs_grad:
-        return "a score_mod with gradients: torch's flex_attention has no CPU backward"
+        return ("a score_mod with gradients: torch's compiled flex_attention has no CPU backward (the reference "
+                "computes the gradients)")
     if spec.return_lse:
         return "return_lse=True with a score_mod: torch's compiled flex_attention returns no lse on CPU"
     if problem.dtype not in _FLEX_DTYPES:
         return f"a score_mod in {problem.dtype}: flex_attention on CPU takes float32, float16 and bfloat16"
-    if spec.padding:
-        return "a score_mod with a padding mask: flex_attention has no per-sequence lengths"
+    isa = torch.backends.cpu.get_cpu_capability()
+    if isa not in ("AVX2", "AVX512") or sys.platform == "darwin":
+        return (f"a score_mod on a CPU with vector capability {isa!r} ({sys.platform}): torch compiles "
+                "flex_attention for x86 CPUs with AVX2 or AVX-512 only")
     return None
 
 
@@ -87,21 +110,39 @@ def clear() -> None:
 
 
 def _make_call(prog: Any, float_names: tuple, tensor_names: tuple, ints: dict, scale: float, gqa: bool,
-               tag: int) -> Callable:
-    """A compiled (q, k, v, floats (n,) fp64, tensors, block_mask or None) -> out (B, H, Sq, Dv)
-    for one mod structure."""
+               pad: int, band: Optional[Any], tag: int) -> Callable:
+    """A compiled (q, k, v, floats (n,) fp32, tensors, block_mask or None, lens) -> out (B, H, Sq, Dv)
+    for one mod structure (floats in fp32, the kernel's score dtype: the reference's arithmetic with
+    Python floats, and vectorised; fp64 values made the kernel compute the mod in fp64). pad: zero columns added to q and k (`padded_head_dim`). lens: None (the
+    mod sees Sq and Skv; the band is the block mask's) or per-sequence lengths (q_lens (B,),
+    kv_lens (B,)) int64: the mod sees them, and positions past them or outside `band` (aligned
+    with those lengths) score -inf after the mod."""
     from score_mods import eager as eager_mod
     from torch.nn.attention.flex_attention import flex_attention
 
-    def call(q, k, v, floats, tensors, block_mask):
+    def call(q, k, v, floats, tensors, block_mask, lens):
         params = dict(ints)
         for i, name in enumerate(float_names):
             params[name] = floats[i]
         params.update(zip(tensor_names, tensors))
         sq, skv = q.shape[2], k.shape[2]
+        if pad:
+            q = torch.nn.functional.pad(q, (0, pad))
+            k = torch.nn.functional.pad(k, (0, pad))
 
         def score_fn(score, b, h, q_idx, kv_idx):
-            return eager_mod.run(prog, eager_mod.index_env(score, b, h, q_idx, kv_idx, sq, skv), params)
+            if lens is None:
+                return eager_mod.run(prog, eager_mod.index_env(score, b, h, q_idx, kv_idx, sq, skv), params)
+            q_len, kv_len = lens[0][b], lens[1][b]
+            s = eager_mod.run(prog, eager_mod.index_env(score, b, h, q_idx, kv_idx, q_len, kv_len), params)
+            ok = (q_idx < q_len) & (kv_idx < kv_len)
+            if band is not None:
+                d = kv_idx - q_idx - (kv_len - q_len if band.bottom_right else 0)
+                if band.right is not None:
+                    ok = ok & (d <= band.right)
+                if band.left is not None:
+                    ok = ok & (d >= -band.left)
+            return torch.where(ok, s, -math.inf)
 
         return flex_attention(q, k, v, score_mod=score_fn, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
@@ -152,6 +193,11 @@ class FlexRunner:
         self.static = problem
         self.fmt = problem.spec.qkv_format
         self.perm = _PERM[self.fmt]
+        self.pad = padded_head_dim(problem.head_dim) - problem.head_dim
+        band = problem.spec.band
+        self.padding = problem.spec.padding
+        # with lengths, only a top-left band's block mask is independent of them
+        self.block_band = band if not (self.padding and band is not None and band.bottom_right) else None
 
     def grad_inputs(self, mod: Any, sinks: Any) -> tuple:
         return ()
@@ -170,22 +216,36 @@ class FlexRunner:
         gqa = st.heads != st.kv_heads
         shapes = tuple((tuple(t.shape), t.stride()) for t in (q, k, v))
         params = tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in mod.tensors().items())
-        key = (mod.cache_key, tuple(sorted(ints.items())), floats, params, st.scale, gqa, q.dtype, shapes)
+        lengths = ("lengths", st.spec.band) if self.padding else None
+        key = (mod.cache_key, tuple(sorted(ints.items())), floats, params, st.scale, gqa, q.dtype, shapes, lengths)
         prog = eager_mod.program(mod.root)
-        return FLEX_CACHE.get(key, lambda: _make_call(prog, floats, tensors, ints, st.scale, gqa, FLEX_CACHE.misses))
+        band = st.spec.band
+        return FLEX_CACHE.get(key, lambda: _make_call(prog, floats, tensors, ints, st.scale, gqa, self.pad,
+                                                      band if self.padding else None, FLEX_CACHE.misses))
+
+    def _lengths(self, q, k, v, varlen):
+        """(q, k, v with positions past each sequence's lengths zeroed, (q_lens, kv_lens) int64 (B,))."""
+        q_lens = (varlen.cu_seqlens_q[1:] - varlen.cu_seqlens_q[:-1]).to(torch.int64)
+        kv_lens = (varlen.cu_seqlens_kv[1:] - varlen.cu_seqlens_kv[:-1]).to(torch.int64)
+        q_ok = torch.arange(q.shape[2]).view(1, 1, -1, 1) < q_lens.view(-1, 1, 1, 1)
+        kv_ok = torch.arange(k.shape[2]).view(1, 1, -1, 1) < kv_lens.view(-1, 1, 1, 1)
+        return q.masked_fill(~q_ok, 0), k.masked_fill(~kv_ok, 0), v.masked_fill(~kv_ok, 0), (q_lens, kv_lens)
 
     def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None, dest=None):
         ql, kl, vl = (t.permute(self.perm) for t in (q, k, v))
-        fn = self._compiled(mod, ql, kl, vl)
         typed = mod.scalars_typed()
-        floats = torch.tensor([float(typed[n]) for n in _float_names(mod)], dtype=torch.float64)
+        floats = torch.tensor([float(typed[n]) for n in _float_names(mod)], dtype=torch.float32)
         with torch.no_grad():
             if ql.shape[2] == 0 or kl.shape[2] == 0:
                 o = ql.new_zeros(ql.shape[:3] + (vl.shape[3],))
             else:
-                band = self.static.spec.band
+                lens = None
+                if self.padding:
+                    ql, kl, vl, lens = self._lengths(ql, kl, vl, varlen)
+                fn = self._compiled(mod, ql, kl, vl)
+                band = self.block_band
                 block = None if band is None else _block_mask(band, ql.shape[2], kl.shape[2])
-                o = fn(ql, kl, vl, floats, tuple(mod.tensors().values()), block)
+                o = fn(ql, kl, vl, floats, tuple(mod.tensors().values()), block, lens)
             out = from_logical(o, self.fmt).contiguous()
             if dest is not None:
                 dest[0].copy_(out)

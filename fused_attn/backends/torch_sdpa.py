@@ -8,11 +8,13 @@
         (B|1, 1, Sq, Skv); GQA native (no repeat). Rows with no allowed key: out 0 and lse -inf
         (the kernel writes lse 0 there: fixed from the mask).
     flex path (traced score_mods, inference only): flex_attention compiled once per mod
-        structure (`torch_flex`); torch 2.13's CPU flex has no backward and no lse.
+        structure (`torch_flex`), bands as block masks, dense padding as per-sequence lengths;
+        torch 2.13's CPU flex has no backward and no lse (those calls run on the reference).
 
 Everything else is refused with the reason (`refusal`), so backend="auto" runs the reference:
 packed thd, sinks, dropout (torch draws its own mask; the reference's seeded mask is the oracle),
-head_dim_v != head_dim, non-CPU tensors, score_mods with gradients / lse / fp64 / padding.
+head_dim_v != head_dim, non-CPU tensors, score_mods with gradients / lse / fp64 or on CPUs torch
+does not compile flex_attention for.
 
 Limits: non-finite keys or values that some rows attend and others do not poison the others too
 (the kernel multiplies masked weights 0 by them); padded positions are zeroed first, and keys no
@@ -59,14 +61,7 @@ def refusal(problem) -> Optional[str]:
     mod = spec.score_mod
     if mod is None:
         return None
-    why = torch_flex.refusal(problem, mod)
-    if why is not None:
-        return why
-    # Measured wrong: softcap(3) under a causal mask, bshd B2 S8 H4 D16 float32, compiled flex gave
-    # outputs off by 3.1 against float64 (the reference: 2e-7). Until the flex path is found right
-    # on every configuration it serves, score_mods run on the reference.
-    return ("score_mods on the torch engine are switched off: its compiled flex path gave wrong outputs for a "
-            "small causal softcap call (off by 3.1); the reference serves them")
+    return torch_flex.refusal(problem, mod)
 
 
 def make_runner(problem) -> Any:

@@ -64,6 +64,20 @@ def test_main_without_cuda_says_so_and_fails(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_cpu_suite_grid_and_only(monkeypatch):
+    """The cpu suite's grid: bf16 and fp32 rows for plain causal calls and for the softcap score_mod;
+    --only reaches the grid."""
+    from fused_attn.bench import cpu
+
+    labels = [c[0] for c in cpu.configs(quick=False)]
+    for dtype in ("bf16", "fp32"):
+        assert any("softcap" in x and dtype in x for x in labels) and any("README" in x and dtype in x for x in labels)
+    assert [c[0] for c in cpu.configs(quick=True, only="softcap")] == [x for x in labels if "softcap" in x]
+    seen = []
+    monkeypatch.setattr(cpu, "run", lambda quick, out, only=None: seen.append((quick, only)) or [])
+    assert main(["bench", "cpu", "--quick", "--only", "fp32"]) == 0 and seen == [(True, "fp32")]
+
+
 def test_main_rejects_unknown_suite():
     with pytest.raises(SystemExit):
         main(["bench", "nope"])

@@ -15,6 +15,7 @@ from fused_attn.plan import NO_VARLEN, Varlen
 from fused_attn.spec import resolve_spec
 from fused_attn.testing import assert_close, grad_tolerances, tolerance
 from helpers.attention import band_mask
+from helpers.quick import quick_cover
 
 H, HKV, D = 4, 2, 16
 #: ten lengths (more than the cache limit of 8); not 0 or 1, which torch.compile always specializes
@@ -48,6 +49,7 @@ def _check_causal(out, q, k, v, cap=None, grad_out=None):
             assert_close(t.grad.transpose(1, 2), e, bd, f"d{name}")
 
 
+@pytest.mark.slow  # the functional twin and test_module_still_checks_heads_under_compile stay quick
 def test_module_one_graph_for_all_lengths_dynamic():
     gen = torch.Generator().manual_seed(0)
     cc = CompileCounter()
@@ -106,7 +108,7 @@ def test_functional_thd_one_graph_dynamic():
     assert cc.frame_count == 1
 
 
-@pytest.mark.parametrize("dynamic", [True, None])
+@pytest.mark.parametrize("dynamic", [True, pytest.param(None, marks=pytest.mark.slow)])
 def test_new_score_mod_objects_share_a_graph(dynamic):
     """Ten softcap objects of one structure: one graph (dynamic=True), or the static one plus one
     generalised graph (default); never one per object (fullgraph would fail at the ninth)."""
@@ -165,9 +167,7 @@ def _op_args(fmt, return_lse, mod):
             None, scalars, [], None, ops.register_spec(spec))
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "thd"])
-@pytest.mark.parametrize("return_lse", [False, True])
-@pytest.mark.parametrize("mod", [None, sm.softcap(3.0)], ids=["none", "softcap"])
+@pytest.mark.parametrize("fmt,return_lse,mod", quick_cover(["bshd", "thd"], [False, True], [None, sm.softcap(3.0)]))
 def test_opcheck_every_op_with_and_without_lse(fmt, return_lse, mod):
     args = _op_args(fmt, return_lse, mod)
     torch.library.opcheck(torch.ops.fused_attn.attn_fwd.default, args)

@@ -346,6 +346,7 @@ def test_clear_removes_only_store_files(store):
 
 # concurrency --------------------------------------------------------------------------------
 
+@pytest.mark.slow  # four spawned processes: ~10 s
 def test_processes_share_a_directory(tmp_path):
     """4 spawned processes save and load shared and private keys; every file verifies after."""
     ctx = multiprocessing.get_context("spawn")

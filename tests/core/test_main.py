@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from fused_attn import __main__ as main_mod
 from fused_attn import selfcheck
@@ -22,6 +23,12 @@ def test_self_check_passes(capsys):
     assert "checks passed" in text and "FAIL" not in text
     assert "thd varlen causal" in text and "reference" in text
     assert "cuDNN: " in text  # the library loaded, or why none
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only status line")
+def test_cudnn_status_on_cpu_names_the_engines_that_run():
+    line = selfcheck.cudnn_status()
+    assert "none loaded" in line and "torch engine" in line and "reference backend" in line
 
 
 def test_check_command_and_failure(monkeypatch, capsys):
@@ -55,6 +62,10 @@ def test_explain_command(capsys):
     assert "backend: torch" in capsys.readouterr().out  # torch's CPU kernel serves a plain causal call
     assert main_mod.main(["explain", "--device", "cpu", "--heads", "3", "--kv-heads", "2"]) == 1
     assert "multiple of" in capsys.readouterr().err
+    for backend in ("torch", "reference"):  # every backend can be named
+        assert main_mod.main(["explain", "--device", "cpu", "--dtype", "float32", "--heads", "2", "--head-dim", "16",
+                              "--seqlen", "8", "--backend", backend]) == 0
+        assert f"backend: {backend}" in capsys.readouterr().out
 
 
 def test_bench_dispatch(monkeypatch):

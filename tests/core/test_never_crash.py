@@ -100,13 +100,14 @@ def test_assignment_during_a_call_does_not_reach_that_call(monkeypatch):
     assert_close(to_logical(out, "bshd"), exact, tolerance(ql, ql, ql, 8 ** -0.5, torch.float64, mask), "out")
 
 
-def test_threads_calling_while_the_score_mod_changes_see_whole_configurations():
+@pytest.mark.parametrize("seconds", [1.0, pytest.param(3.0, marks=pytest.mark.slow)])
+def test_threads_calling_while_the_score_mod_changes_see_whole_configurations(seconds):
     gen = torch.Generator().manual_seed(1)
     q = rand(gen, 1, 16, 1, 8, dtype=torch.float64)
     mods = [sm.sliding_window(3, 0), sm.sliding_window(0, 3)]
     expected = [_window_out(q, 3, 0), _window_out(q, 0, 3)]
     attn = fused_attn.DotProductAttention(1, 8, score_mod=mods[0], backend="reference")
-    stop = time.monotonic() + 3.0
+    stop = time.monotonic() + seconds
     torn, calls = [], [0]
 
     def caller():
@@ -125,5 +126,5 @@ def test_threads_calling_while_the_score_mod_changes_see_whole_configurations():
         attn.score_mod = mods[i % 2]
     for t in threads:
         t.join(timeout=30)
-    assert calls[0] > 50 and i > 50
+    assert calls[0] > 20 and i > 20
     assert not torn, f"{len(torn)} of {calls[0]} calls mixed two configurations"

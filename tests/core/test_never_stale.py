@@ -111,27 +111,32 @@ def _alive(refs) -> int:
     return sum(r() is not None for r in refs)
 
 
-def test_fresh_biases_are_not_kept_alive_reference():
-    """200 calls with fresh 1 MiB biases: at most one alive after the loop, none after clear()."""
+@pytest.mark.parametrize("backend", ["reference", pytest.param("torch", marks=pytest.mark.slow)])  # torch: compiles flex
+def test_fresh_biases_are_not_kept_alive(backend):
+    """Calls with fresh biases (200 of 1 MiB through compiled flex, 10 of 256 KiB through the
+    reference): at most one alive after the loop, none after clear()."""
     gen = torch.Generator().manual_seed(1)
-    q = rand(gen, 1, 256, 4, 16)
-    refs = _calls_with_fresh_biases(lambda mod: fused_attn.dot_product_attention(q, q, q, score_mod=mod),
-                                    200, (1, 4, 256, 256))
+    n, s = (200, 256) if backend == "torch" else (10, 128)
+    q = rand(gen, 1, s, 4, 16)
+    refs = _calls_with_fresh_biases(lambda mod: fused_attn.dot_product_attention(q, q, q, score_mod=mod,
+                                                                                 backend=backend),
+                                    n, (1, 4, s, s))
     assert _alive(refs) <= 1
     fused_attn.graph_cache.clear()
     assert _alive(refs) == 0
 
 
-def test_module_with_fresh_biases_keeps_none_after_reset():
+@pytest.mark.parametrize("backend", ["reference", pytest.param("auto", marks=pytest.mark.slow)])  # auto: torch flex
+def test_module_with_fresh_biases_keeps_none_after_reset(backend):
     gen = torch.Generator().manual_seed(2)
     q = rand(gen, 1, 64, 2, 16)
-    attn = fused_attn.DotProductAttention(2, 16)
+    attn = fused_attn.DotProductAttention(2, 16, backend=backend)
 
     def call(mod):
         attn.score_mod = mod
         attn(q, q, q)
 
-    refs = _calls_with_fresh_biases(call, 50, (1, 2, 64, 64))
+    refs = _calls_with_fresh_biases(call, 50 if backend == "auto" else 10, (1, 2, 64, 64))
     assert _alive(refs) <= 1  # the module's own current score_mod
     attn.score_mod = None
     fused_attn.graph_cache.clear()
@@ -156,7 +161,7 @@ def test_graph_cache_clear_empties_every_registered_cache():
 
     gen = torch.Generator().manual_seed(4)
     q = rand(gen, 1, 16, 2, 8)
-    fused_attn.dot_product_attention(q, q, q, score_mod=sm.softcap(10.0))
+    fused_attn.dot_product_attention(q, q, q, score_mod=sm.softcap(10.0), backend="reference")  # no flex compile
     assert len(P.PLANS) and len(spec._MEMO._entries)
     fused_attn.graph_cache.clear()
     assert len(P.PLANS) == 0 and len(spec._MEMO._entries) == 0

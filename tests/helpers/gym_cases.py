@@ -249,8 +249,15 @@ MASK_CASES = [c for c in CASES.values() if c._kind == "mask"]
 TABLE_CASES = [c for c in CASES.values() if c.tables]
 
 
-def params(cases):
-    return [pytest.param(c, id=c.id) for c in cases]
+def params(cases, quick=None):
+    """One pytest.param per case; with `quick` (ids), the other cases are marked slow."""
+    return [pytest.param(c, id=c.id, marks=() if quick is None or c.id in quick else pytest.mark.slow) for c in cases]
+
+
+# gradients in the quick set (~0.2 s each): a 1-D mask, documents, a 2-D neighbourhood, a per-batch
+# map, score mods with and without a learned table, a mod under a mask
+QUICK_GRADIENTS = {"causal_5x7", "document_inner_causal_docs_3_1_4_2", "natten_6x4_k3x3", "vsa_b2h2_t4_padded",
+                   "softcap_0.5_causal", "graphormer_spatial_b2_n7_h3", "t5_causal_6_10"}
 
 
 # =============================================================================== helpers

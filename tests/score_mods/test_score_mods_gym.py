@@ -27,8 +27,8 @@ import torch.nn.functional as F
 import fused_attn
 import score_mods as sm
 from fused_attn.testing import agreement_bound, assert_close, reference_attention, tolerance
-from helpers.gym_cases import (CASES, MASK_CASES, Case, doc_offsets, fresh_tables, oracle_mask, ours, params,
-                               port_mask, qkv)
+from helpers.gym_cases import (CASES, MASK_CASES, QUICK_GRADIENTS, Case, doc_offsets, fresh_tables, oracle_mask,
+                               ours, params, port_mask, qkv)
 from helpers.gym_oracles import (ACTIVATIONS, D, F64, morton_code, og_document, og_natten_as_published,
                                  og_prefix_lm, og_sliding_window, og_t5, og_tiled_natten, t5_bucket)
 from score_mods import gym
@@ -81,7 +81,7 @@ def test_mask_equals_oracle(c: Case):
         raise AssertionError(f"{c.id}: masks differ at (b, h, q, kv) {diff}")
 
 
-@pytest.mark.parametrize("c", params(CASES.values()))
+@pytest.mark.parametrize("c", params(CASES.values(), quick=QUICK_GRADIENTS))
 def test_gradients_match_float64_autograd(c: Case):
     """dq, dk, dv and every learnable table's gradient == float64 autograd through the oracle."""
     q, k, v = qkv(c, requires_grad=True)

@@ -77,10 +77,14 @@ def _check_rectangles(band, sq, skv):
     return True
 
 
+_SLOW = pytest.mark.slow  # ~0.5 s each: the quick set keeps a square causal band and a windowed bottom-right one
+
+
 @pytest.mark.parametrize("band, sq, skv", [
-    (Band(None, 0, False), 1024, 1024), (Band(None, 0, True), 640, 1000), (Band(None, 0, False), 300, 700),
-    (Band(255, 0, False), 1024, 1024), (Band(100, 0, True), 700, 900), (Band(150, 30, False), 900, 900),
-    (Band(None, 40, False), 800, 600), (Band(0, 0, False), 512, 512),
+    (Band(None, 0, False), 1024, 1024), pytest.param(Band(None, 0, True), 640, 1000, marks=_SLOW),
+    pytest.param(Band(None, 0, False), 300, 700, marks=_SLOW), pytest.param(Band(255, 0, False), 1024, 1024, marks=_SLOW),
+    (Band(100, 0, True), 700, 900), pytest.param(Band(150, 30, False), 900, 900, marks=_SLOW),
+    pytest.param(Band(None, 40, False), 800, 600, marks=_SLOW), pytest.param(Band(0, 0, False), 512, 512, marks=_SLOW),
 ])
 def test_rectangles_hold_exactly_the_band(small_thresholds, band, sq, skv):
     assert _check_rectangles(band, sq, skv)

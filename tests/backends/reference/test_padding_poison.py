@@ -9,6 +9,7 @@ must match the float64 reference (`fused_attn.testing`'s tolerance rule).
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
@@ -19,6 +20,7 @@ SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow  # many hypothesis examples; test_issue_reproducer keeps the property in the quick set
 @SETTINGS
 @given(case=cases(dtypes=(torch.float32, torch.float64, torch.bfloat16), head_dims=(8, 16)))
 def test_poisoned_padding_never_reaches_real_tokens(case):

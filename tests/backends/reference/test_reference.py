@@ -9,6 +9,7 @@ import torch
 
 import fused_attn
 from fused_attn.backends import reference_math
+from helpers.quick import quick_cover
 from fused_attn.layouts import from_logical
 from fused_attn.testing import (agreement_bound, assert_close, lse_tolerance, mask_band, packed_tolerances,
                                 reference_attention, tolerance)
@@ -69,9 +70,7 @@ MASK_WINDOWS = [(m, w) for m in ("no_mask", "causal", "causal_bottom_right") for
                 if m == "no_mask" or w is None or w[1] in (0, -1)]
 
 
-@pytest.mark.parametrize("mask_type,window", MASK_WINDOWS)
-@pytest.mark.parametrize("hkv", [4, 2, 1])
-@pytest.mark.parametrize("sq,skv", [(6, 6), (3, 8), (8, 3)])
+@pytest.mark.parametrize("mask_type,window,hkv,sq,skv", quick_cover(MASK_WINDOWS, [4, 2, 1], [(6, 6), (3, 8), (8, 3)]))
 def test_masks_windows_gqa(gen, mask_type, window, hkv, sq, skv):
     q, k, v = _dense(gen, 2, 4, hkv, sq, skv, 8, 6)
     mask = _mask_for(mask_type, window, sq, skv)

@@ -1,5 +1,6 @@
 """The torch engine (CPU): every configuration it serves against float64 with the tolerance rule,
-forward and gradients; the choice `backend="auto"` makes on CPU; its refusals and their reasons."""
+forward and gradients; the choice `backend="auto"` makes on CPU; its refusals and their reasons.
+Its score_mod path (compiled flex_attention): tests/backends/torch/test_torch_flex.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import fused_attn
 import fused_attn.functional as F
 import score_mods as sm
+from helpers.quick import quick_cover
 from fused_attn.layouts import from_logical
 from fused_attn.testing import agreement_bound, assert_attention_close, assert_close, reference_attention, tolerance
 from helpers.attention import band_mask, cu_seqlens, rand
@@ -55,8 +57,8 @@ def _check(views, fmt, kw, mask, scale, score_fn=None, grads=True):
     assert_attention_close(o_log, ql, kl, vl, scale, mask, lse=lse, grads=[t.permute(PERM[fmt]) for t in g], grad_out=do)
 
 
-@pytest.mark.parametrize("mask_type,window", BAND_CASES)
-@pytest.mark.parametrize("sq,skv", [(7, 7), (5, 11), (11, 5), (1, 1), (1, 9)])
+@pytest.mark.parametrize("mask_type,window,sq,skv",
+                         quick_cover(BAND_CASES, [(7, 7), (5, 11), (11, 5), (1, 1), (1, 9)]))
 def test_bands_gqa_awkward_lengths(gen, mask_type, window, sq, skv):
     """Causal variants, windows and bottom-right alignment with Sq != Skv (rows with no key: out 0,
     lse -inf), GQA 4/2, odd lengths and length 1: out, lse, dq, dk, dv against float64."""
@@ -65,9 +67,8 @@ def test_bands_gqa_awkward_lengths(gen, mask_type, window, sq, skv):
     _check(views, "bshd", kw, _mask(mask_type, window, sq, skv), 0.3)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
-@pytest.mark.parametrize("mask_type,window", [("causal", None), ("no_mask", (3, 2))])
+@pytest.mark.parametrize("dtype,fmt,mask_type,window", quick_cover(
+    [torch.bfloat16, torch.float16, torch.float64], ["bshd", "sbhd", "bhsd"], [("causal", None), ("no_mask", (3, 2))]))
 def test_dtypes_and_layouts(gen, dtype, fmt, mask_type, window):
     _, views = _qkv(gen, 2, 4, 1, 13, 13, 32, dtype, fmt)
     kw = dict(attn_mask_type=mask_type, window_size=window)
@@ -196,57 +197,3 @@ def test_score_mod_with_gradients_runs_on_the_reference(gen):
     out = fused_attn.dot_product_attention(q, k, v, score_mod=mod)
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
-
-
-# ----------------------------------------------------------------------------- score_mods through flex
-
-
-@pytest.mark.slow
-def test_score_mods_are_refused_until_flex_is_right(gen):
-    """The case that showed the flex path wrong now runs on the reference, exactly."""
-    from fused_attn.testing import assert_close, bound_from
-
-    q, k, v = (torch.randn(2, 8, 4, 16, generator=gen) for _ in range(3))
-    kw = dict(score_mod=sm.softcap(3.0), attn_mask_type="causal")
-    why = fused_attn.explain(q, k, v, **kw)
-    assert why.backend == "reference" and "switched off" in why.reason
-    exact = fused_attn.dot_product_attention(q.double(), k.double(), v.double(), backend="reference", **kw)
-    same = fused_attn.dot_product_attention(q, k, v, backend="reference", **kw)
-    assert_close(fused_attn.dot_product_attention(q, k, v, **kw).double(), exact,
-                 bound_from(same.double(), exact, torch.float32), "auto on CPU")
-
-
-@pytest.mark.xfail(strict=True, reason="score_mods on the torch engine are switched off (torch_sdpa.refusal)")
-def test_score_mods_through_compiled_flex(gen):
-    """softcap (with causal, GQA, bf16), ALiBi (a tensor parameter) and a user-written mod reading
-    positions, inference, against float64; a new float value or tensor reuses the compiled function."""
-    from fused_attn.backends import torch_flex
-
-    @sm.score_mod
-    def user_mod(score, b, h, q_idx, kv_idx, w=0.5):
-        return score - w * sm.abs(q_idx - kv_idx) / (q_idx + 1)
-
-    slopes = sm.alibi_slopes(4)
-    cases = [
-        (sm.softcap(2.0), dict(attn_mask_type="causal"), lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0), torch.bfloat16),
-        (sm.alibi(slopes), dict(), lambda s, b, h, i, j: s + slopes.double()[h] * (j - i), torch.float32),
-        (user_mod, dict(window_size=(4, 0)), lambda s, b, h, i, j: s - 0.5 * (i - j).abs() / (i + 1), torch.float32),
-    ]
-    for mod, kw, fn, dtype in cases:
-        _, views = _qkv(gen, 2, 4, 2, 19, 19, 16, dtype, grad=False)
-        mask = _mask(kw.get("attn_mask_type", "no_mask"), kw.get("window_size"), 19, 19)
-        got = fused_attn.explain(*views, score_mod=mod, **kw)
-        assert got.backend == "torch", got.reason
-        out = fused_attn.dot_product_attention(*views, score_mod=mod, **kw)
-        ql, kl, vl = (t.transpose(1, 2) for t in views)
-        exact, _ = reference_attention(ql, kl, vl, 0.25, mask, fn)
-        assert_close(out.transpose(1, 2), exact, tolerance(ql, kl, vl, 0.25, dtype, mask, fn), mod.name)
-    compiles = torch_flex.FLEX_CACHE.misses
-    _, views = _qkv(gen, 2, 4, 2, 19, 19, 16, torch.float32, grad=False)
-    out = fused_attn.dot_product_attention(*views, score_mod=sm.alibi(slopes * 3))
-    ql, kl, vl = (t.transpose(1, 2) for t in views)
-    exact, _ = reference_attention(ql, kl, vl, 0.25, None, lambda s, b, h, i, j: s + 3 * slopes.double()[h] * (j - i))
-    assert_close(out.transpose(1, 2), exact, 1e-4, "alibi x3")
-    assert torch_flex.FLEX_CACHE.misses == compiles
-    fused_attn.graph_cache.clear()
-    assert len(torch_flex.FLEX_CACHE) == 0
