@@ -67,7 +67,7 @@ def test_main_without_cuda_says_so_and_fails(tmp_path, capsys):
 def test_cpu_suite_grid_and_only(monkeypatch):
     """The cpu suite's grid: bf16 and fp32 rows for plain causal calls and for the softcap score_mod;
     --only reaches the grid."""
-    from fused_attn.bench import cpu
+    from benchmarks import cpu
 
     labels = [c[0] for c in cpu.configs(quick=False)]
     for dtype in ("bf16", "fp32"):

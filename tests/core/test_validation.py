@@ -30,7 +30,7 @@ i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
 @pytest.mark.parametrize("kw,exc,match", [
     (dict(qkv_format="bsdh"), ValueError, r"qkv_format='bsdh' is not supported; accepted: 'bshd'"),
     (dict(attn_mask_type="arbitrary"), ValueError, r"attn_mask_type='arbitrary' is not supported"),
-    (dict(backend="flash"), ValueError, r"backend='flash' is not supported; accepted: 'auto', 'cudnn', 'torch', 'reference'"),
+    (dict(backend="flash"), ValueError, r"backend='flash' is not supported; accepted: 'auto', 'cudnn', 'fa4', 'torch', 'reference'"),
     (dict(window_size=(1, 2, 3)), ValueError, r"window_size must be None or a \(left, right\) pair"),
     (dict(window_size=(1.5, 0)), TypeError, r"window_size left must be an int >= -1.*1.5"),
     (dict(window_size=(-2, 0)), ValueError, r"window_size left must be >= -1.*got -2"),

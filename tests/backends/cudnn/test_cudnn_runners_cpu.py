@@ -366,9 +366,10 @@ def test_band_rectangles_write_into_the_calls_own_outputs(stub, monkeypatch, fmt
     """A band cut into rectangles on cuDNN: each rectangle's graph binds views of the call's out,
     lse, dK and dV (one storage each, every view inside it), so no rectangle result is copied."""
     from fused_attn.backends.cudnn import band_chunks as C
+    from fused_attn.backends.cudnn import band_pieces
 
     monkeypatch.setattr(C, "strategy", lambda *a: how)
-    monkeypatch.setattr(C, "WINDOW_CHUNK", 256)
+    monkeypatch.setattr(band_pieces, "WINDOW_CHUNK", 256)
     C.clear_memos()
     bound = []
     executed = runtime.execute
