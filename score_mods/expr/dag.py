@@ -11,6 +11,7 @@ import functools
 import math
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
 
+from ..caches import register_lru
 from ..optable import SYMBOL
 
 INDEX_AXES = ("b", "h", "q_idx", "kv_idx")
@@ -99,6 +100,7 @@ def substitute(root: Node, replace: Callable[[Node, Tuple[Node, ...]], Optional[
 Reads = collections.namedtuple("Reads", "params tensors gathers lengths axes")
 
 
+@register_lru("score_mods.expr.reads")
 @functools.lru_cache(maxsize=2048)
 def reads(root: Node) -> "Reads":
     """What a DAG reads (memoized per structure): scalar param names, tensor param names,

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LAYERS = (
     ("score_mods", lambda m: m == "score_mods" or m.startswith("score_mods.")),
     ("base", lambda m: m in {f"fused_attn.{n}" for n in (
-        "problem", "spec", "layouts", "validation", "length_checks", "memo", "cache", "key_range", "static", "mod_values",
+        "problem", "spec", "layouts", "validation", "length_checks", "memo", "cache_registry", "cache", "key_range", "static", "mod_values",
         "extensions", "planning", "mod_axes", "graph_store", "graph_file", "engine_table", "tensor_kind", "progress")}),
     ("backends", lambda m: m.startswith("fused_attn.backends")),
     ("engines", lambda m: m == "fused_attn.engines"),
