@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
@@ -84,29 +85,34 @@ def register_at_exit(name: str, release: Callable[[], None]) -> None:
         _AT_EXIT[name] = release
 
 
+def _score_mods_caches() -> Any:
+    """score_mods' registry, or None in a process that never imported score_mods (nothing cached
+    there; a light process must not import it at exit)."""
+    return sys.modules.get("score_mods.caches")
+
+
 def clear_all() -> None:
     """Empty every BoundedMemo and every registered cache but those that keep their entries
     (statistics of the memos kept), and the caches of score_mods."""
-    import score_mods.caches
-
     with _REGISTRY_LOCK:
         memos, clearers = list(_ALL), [c for c, _, _ in _CACHES.values() if c is not None]
     for memo in memos:
         memo.clear(reset_stats=False)
     for clear in clearers:
         clear()
-    score_mods.caches.clear_all()
+    theirs = _score_mods_caches()
+    if theirs is not None:
+        theirs.clear_all()
 
 
 def cache_infos() -> List[MemoInfo]:
     """`MemoInfo` of every process-wide cache (BoundedMemos, registered caches with an info
     function, the caches of score_mods), sorted by name."""
-    import score_mods.caches
-
     with _REGISTRY_LOCK:
         memos, infos = list(_ALL), [i for _, i, _ in _CACHES.values() if i is not None]
     out = [m.info() for m in memos] + [i() for i in infos]
-    out += [MemoInfo(*i) for i in score_mods.caches.infos()]
+    theirs = _score_mods_caches()
+    out += [MemoInfo(*i) for i in (theirs.infos() if theirs is not None else ())]
     return sorted(out, key=lambda i: i.name)
 
 

@@ -48,9 +48,9 @@ def caches() -> List[MemoInfo]:
 
 def kept() -> Dict[str, str]:
     """{name: why} of the caches `clear()` keeps (compiled code refers to their entries by key)."""
-    import score_mods.caches
+    from score_mods import caches
 
-    return {**kept_by_clear(), **score_mods.caches.kept()}
+    return {**kept_by_clear(), **caches.kept()}
 
 
 def set_maxsize(maxsize: int) -> None:
