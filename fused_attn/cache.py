@@ -8,9 +8,7 @@ the cache lock; two threads asking for the same missing key build it once (the s
 
 from __future__ import annotations
 
-import atexit
 import gc
-import sys
 import threading
 import time
 import weakref
@@ -18,6 +16,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Tuple
+
+from .cache_registry import MemoInfo, register_clear
 
 __all__ = ["GraphKey", "CacheInfo", "GraphCache", "GRAPH_CACHE", "DEFAULT_MAXSIZE", "intern_key"]
 
@@ -292,26 +292,9 @@ class GraphCache:
 GRAPH_CACHE = GraphCache()
 
 
-@atexit.register
-def _release_at_exit() -> None:
-    """Release every frontend object we hold before the interpreter tears down its modules.
+def _info() -> MemoInfo:
+    i = GRAPH_CACHE.info()
+    return MemoInfo("cache.graphs", i.hits, i.misses, i.evictions, i.size, i.maxsize)
 
-    cuDNN graphs (and the score_mod callbacks holding their tensors) still alive at exit make the
-    frontend's bindings print "leaked instances" warnings (benchmarks/results/frontend_probe_h100.md).
-    Besides the graph cache: the backend's per-thread handles and per-stream workspaces, its key
-    memo and prepared varlen batches, and the score_mod lowering's memo caches. Modules never imported are skipped (nothing to free)."""
-    GRAPH_CACHE.clear()
-    plan = sys.modules.get("fused_attn.plan")
-    if plan is not None:
-        plan.clear_plans()
-    runtime = sys.modules.get("fused_attn.backends.cudnn.runtime")
-    if runtime is not None:
-        runtime.release_all()
-    varlen = sys.modules.get("fused_attn.backends.cudnn.varlen")
-    if varlen is not None:
-        varlen.release_prepared()
-    lower = sys.modules.get("score_mods.lower_cudnn")
-    if lower is not None:
-        for fn in (lower.is_scalar, lower.is_derived, lower.plan_for):
-            fn.cache_clear()
-    gc.collect()
+
+register_clear("cache.graphs", GRAPH_CACHE.clear, _info)

@@ -109,7 +109,7 @@ def check_doc_boundaries(cu_seq: object, batch: int, seq_len: int, device: torch
 #: A model's layers share one table per step, so only its first call checks and derives them
 #: (and the thd preparation, memoized per offsets tensor, is shared too). An entry holds its
 #: table weakly (a freed table's entry misses: its id may be reused); an in-place edit bumps the version.
-_OFFSETS = BoundedMemo(64, "doc_packed.offsets")
+_OFFSETS = BoundedMemo(64, "doc_packed.offsets", max_bytes=64 << 20)
 
 
 def checked_offsets(cu_seq: object, batch: int, seq_len: int, device: torch.device,
@@ -274,7 +274,7 @@ def doc_packed_attn(
 #: entry misses) and never the mod itself; an in-place edit of the table bumps its version; calls during CUDA
 #: graph capture (checked here by the query's stream: a CPU table's entry would not see it) or
 #: torch.compile, and calls with other tensor types, are checked in full.
-_CALLS = BoundedMemo(64, "doc_packed.calls")
+_CALLS = BoundedMemo(64, "doc_packed.calls", max_bytes=64 << 20)
 
 
 def _call_key(query: object, key: object, value: object, cu_seq: object, is_causal: object, window_size: object,

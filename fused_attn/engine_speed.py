@@ -23,6 +23,8 @@ import os
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .cache_registry import register_lru
+
 __all__ = ["family", "rank", "table", "table_path", "arch_of", "seq_of", "clear"]
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "speed")
@@ -36,6 +38,7 @@ def table_path(arch: str) -> str:
     return os.path.join(_DIR, f"{arch}.csv")
 
 
+@register_lru("engine_speed.table")
 @functools.lru_cache(maxsize=16)
 def table(arch: str) -> Dict[str, List[Tuple[int, str, float, float]]]:
     """family -> [(seq, engine, fwd_ms, fwd_bwd_ms)] of the committed table ({} when none)."""

@@ -14,17 +14,16 @@ The cache is per process; entries of every device share it (the device index is 
 from __future__ import annotations
 
 import os
-import sys
-from typing import Any, Dict, Iterable, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 
 from .cache import GRAPH_CACHE, CacheInfo
 from .graph_store import GraphStore, StoreInfo
-from .memo import clear_all
+from .cache_registry import MemoInfo, cache_infos, clear_all, kept_by_clear
 
-__all__ = ["cache_info", "clear", "set_maxsize", "set_persistent_dir", "persistent_info", "warmup", "CacheInfo",
-           "StoreInfo"]
+__all__ = ["cache_info", "caches", "clear", "kept", "set_maxsize", "set_persistent_dir", "persistent_info", "warmup",
+           "CacheInfo", "MemoInfo", "StoreInfo"]
 
 
 def cache_info() -> CacheInfo:
@@ -34,16 +33,24 @@ def cache_info() -> CacheInfo:
 
 def clear() -> None:
     """Release every cached graph and everything else the library caches per process (call
-    plans, resolved specs, memos, materialized score_mod operands, the torch engine's compiled
-    flex functions) and reset the graph statistics: afterwards no cache holds a tensor or a graph."""
+    plans, resolved specs, memos, workspaces, materialized score_mod operands, the torch engine's
+    compiled flex functions: every cache `caches()` lists) and reset the graph statistics:
+    afterwards no cache holds a tensor or a graph. Kept: the structural templates compiled code
+    refers to by key (`kept()`), which hold no tensor data."""
     clear_all()
-    materialization = sys.modules.get("score_mods.materialization")
-    if materialization is not None:
-        materialization.clear_cache()
-    GRAPH_CACHE.clear()
-    flex = sys.modules.get("fused_attn.backends.torch_flex")
-    if flex is not None:
-        flex.clear()
+
+
+def caches() -> List[MemoInfo]:
+    """Every process-wide cache of the library (and of score_mods): name, hits, misses, evictions,
+    size, maxsize, and for those holding tensors nbytes and max_bytes."""
+    return cache_infos()
+
+
+def kept() -> Dict[str, str]:
+    """{name: why} of the caches `clear()` keeps (compiled code refers to their entries by key)."""
+    from score_mods import caches
+
+    return {**kept_by_clear(), **caches.kept()}
 
 
 def set_maxsize(maxsize: int) -> None:

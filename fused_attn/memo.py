@@ -1,8 +1,9 @@
-"""`BoundedMemo`: the one small bounded, thread-safe LRU memo behind every module-level cache.
+"""`BoundedMemo`: the bounded, thread-safe LRU memo of the library's module-level caches.
 
-Replaces ad-hoc module dicts (unbounded, or raising KeyError when two threads race on
-`move_to_end` / `popitem`). Every operation takes one `threading.Lock`; factories and eviction
-callbacks run outside it.
+Bounded by entries, and by the bytes of the tensors it holds where it holds tensors. Every
+operation takes one `threading.Lock`; factories and eviction callbacks run outside it. Every
+BoundedMemo is in the registry of process-wide caches (`cache_registry`: listed by
+`fused_attn.graph_cache.caches()`, emptied by `fused_attn.graph_cache.clear()` and at exit).
 
 Keys built from `id()`s (tensors whose identity, not value, decides a hit) must check identity on
 a hit, or a freed object's id may be reused by a different one. Store the objects with the value
@@ -28,27 +29,18 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Generic, Hashable, NamedTuple, Optional, TypeVar
+from typing import Any, Callable, Dict, Generic, Hashable, Optional, TypeVar
 
 import torch
 
-__all__ = ["BoundedMemo", "MemoInfo", "capturing", "register_clear", "clear_all"]
+from .cache_registry import MemoInfo, tensor_bytes, track_memo
+
+__all__ = ["BoundedMemo", "MemoInfo", "capturing"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 _MISSING: Any = object()
-
-
-class MemoInfo(NamedTuple):
-    """Statistics of one memo. hits + misses counts every get / get_identity / get_or_create."""
-
-    name: str
-    hits: int
-    misses: int
-    evictions: int
-    size: int
-    maxsize: int
 
 
 class _Pinned:
@@ -81,29 +73,6 @@ class _Pending:
         self.error: Optional[BaseException] = None
 
 
-#: Every BoundedMemo (weakly) and the clear functions of the other process-wide caches:
-#: `clear_all` (what `fused_attn.graph_cache.clear()` calls) empties them all.
-_ALL: "weakref.WeakSet[BoundedMemo]" = weakref.WeakSet()
-_CLEARERS: Dict[str, Callable[[], None]] = {}
-_REGISTRY_LOCK = threading.Lock()
-
-
-def register_clear(name: str, clear: Callable[[], None]) -> None:
-    """Register a process-wide cache's clear function under `name` (re-registering replaces)."""
-    with _REGISTRY_LOCK:
-        _CLEARERS[name] = clear
-
-
-def clear_all() -> None:
-    """Empty every BoundedMemo and every registered cache (statistics of the memos kept)."""
-    with _REGISTRY_LOCK:
-        memos, clearers = list(_ALL), list(_CLEARERS.values())
-    for memo in memos:
-        memo.clear(reset_stats=False)
-    for clear in clearers:
-        clear()
-
-
 def capturing(objects: tuple) -> bool:
     """Whether the current stream of the first CUDA tensor among `objects` is capturing a CUDA
     graph (see the module docstring). Capture needs an initialized CUDA context; without one
@@ -123,7 +92,9 @@ def _same(stored: tuple, objects: tuple) -> bool:
 class BoundedMemo(Generic[K, V]):
     """Bounded LRU map, safe under threads; evicts the least recently used entry past `maxsize`.
 
-    maxsize: entries kept (int >= 1). name: shown in `info()` and errors.
+    maxsize: entries kept (int >= 1). name: shown in `info()` and errors. max_bytes: for memos
+    whose values hold tensors, the bound on the bytes of those tensors (`tensor_bytes`): least
+    recently used entries are evicted past it too, and a value larger than it is not kept.
     on_evict(key, value): called, outside the lock, for each entry pushed out by the bound
     (not for `pop`, `clear` or a `put` that replaces a value). If callbacks raise, the others
     still run and the first exception propagates to the caller that caused the eviction.
@@ -136,9 +107,10 @@ class BoundedMemo(Generic[K, V]):
     """
 
     __slots__ = ("_name", "_maxsize", "_data", "_lock", "_pending", "_generation", "_on_evict",
-                 "_hits", "_misses", "_evictions", "_dead", "__weakref__")
+                 "_hits", "_misses", "_evictions", "_dead", "_max_bytes", "_sizes", "_bytes", "__weakref__")
 
-    def __init__(self, maxsize: int, name: str, on_evict: Optional[Callable[[K, V], None]] = None) -> None:
+    def __init__(self, maxsize: int, name: str, on_evict: Optional[Callable[[K, V], None]] = None,
+                 max_bytes: Optional[int] = None) -> None:
         if isinstance(maxsize, bool) or not isinstance(maxsize, int):
             raise TypeError(f"BoundedMemo: maxsize must be an int, got {maxsize!r} ({type(maxsize).__name__})")
         if maxsize < 1:
@@ -147,6 +119,8 @@ class BoundedMemo(Generic[K, V]):
             raise TypeError(f"BoundedMemo: name must be a non-empty str, got {name!r}")
         if on_evict is not None and not callable(on_evict):
             raise TypeError(f"BoundedMemo {name!r}: on_evict must be callable or None, got {type(on_evict).__name__}")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"BoundedMemo {name!r}: max_bytes must be an int >= 1 or None, got {max_bytes!r}")
         self._name = name
         self._maxsize = maxsize
         self._data: "OrderedDict[K, Any]" = OrderedDict()
@@ -156,7 +130,10 @@ class BoundedMemo(Generic[K, V]):
         self._on_evict = on_evict
         self._hits = self._misses = self._evictions = 0
         self._dead: list = []  # keys of identity entries whose objects were freed (dropped at the next put)
-        _ALL.add(self)
+        self._max_bytes = max_bytes
+        self._sizes: Dict[K, int] = {}  # tensor bytes per key (memos with max_bytes only)
+        self._bytes = 0
+        track_memo(self)
 
     # lookups ------------------------------------------------------------------------------
     def get(self, key: K, default: Optional[V] = None) -> Optional[V]:
@@ -248,7 +225,7 @@ class BoundedMemo(Generic[K, V]):
                 if current is not _MISSING:
                     value = current  # a concurrent put won
                 elif generation == self._generation:  # not cleared meanwhile
-                    self._data[key] = value
+                    self._store_locked(key, value)
                     evicted = self._shrink_locked()
             pending.value = value
         finally:
@@ -264,8 +241,7 @@ class BoundedMemo(Generic[K, V]):
         with self._lock:
             if self._dead:
                 self._drop_dead_locked()
-            self._data[key] = value
-            self._data.move_to_end(key)
+            self._store_locked(key, value)
             evicted = self._shrink_locked()
         self._notify(evicted)
 
@@ -276,6 +252,7 @@ class BoundedMemo(Generic[K, V]):
             entry = self._data.get(key)
             if type(entry) is _Pinned and any(held() is None for held in entry.objects):
                 del self._data[key]
+                self._bytes -= self._sizes.pop(key, 0)
 
     def put_identity(self, key: K, objects: tuple, value: V) -> None:
         """Store `value` with `objects` (held weakly, see the module docstring) for
@@ -292,6 +269,7 @@ class BoundedMemo(Generic[K, V]):
         """Remove `key`; return its value (an identity entry's value) or `default`."""
         with self._lock:
             value = self._data.pop(key, _MISSING)
+            self._bytes -= self._sizes.pop(key, 0)
         if value is _MISSING:
             return default
         return value.value if type(value) is _Pinned else value
@@ -301,6 +279,7 @@ class BoundedMemo(Generic[K, V]):
         a get_or_create in flight stores nothing."""
         with self._lock:
             data, self._data = self._data, OrderedDict()
+            self._sizes, self._bytes = {}, 0
             self._generation += 1
             if reset_stats:
                 self._hits = self._misses = self._evictions = 0
@@ -317,17 +296,29 @@ class BoundedMemo(Generic[K, V]):
 
     def info(self) -> MemoInfo:
         with self._lock:
-            return MemoInfo(self._name, self._hits, self._misses, self._evictions, len(self._data), self._maxsize)
+            return MemoInfo(self._name, self._hits, self._misses, self._evictions, len(self._data), self._maxsize,
+                            self._bytes, self._max_bytes)
 
     def __repr__(self) -> str:
         i = self.info()
         return f"BoundedMemo({i.name!r}, size={i.size}/{i.maxsize}, hits={i.hits}, misses={i.misses})"
 
     # internals ----------------------------------------------------------------------------
+    def _store_locked(self, key: K, value: Any) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        if self._max_bytes is not None:
+            size = tensor_bytes(value.value if type(value) is _Pinned else value)
+            self._bytes += size - self._sizes.get(key, 0)
+            self._sizes[key] = size
+
     def _shrink_locked(self) -> list:
         evicted = []
-        while len(self._data) > self._maxsize:
-            evicted.append(self._data.popitem(last=False))
+        max_bytes = self._max_bytes
+        while self._data and (len(self._data) > self._maxsize or (max_bytes is not None and self._bytes > max_bytes)):
+            key, value = self._data.popitem(last=False)
+            self._bytes -= self._sizes.pop(key, 0)
+            evicted.append((key, value))
             self._evictions += 1
         return evicted
 

@@ -27,6 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from . import engines
+from .cache_registry import MemoInfo, register_clear
 from .plan import Varlen, get_plan
 from .spec import AttentionSpec, frozen_template
 
@@ -36,6 +37,15 @@ __all__ = ["attention_by_key", "compiled_key", "op_keys_for", "register_spec", "
 _REGISTRY: "OrderedDict[str, AttentionSpec]" = OrderedDict()
 _REGISTRY_MAX = 4096
 _REGISTRY_LOCK = threading.Lock()
+
+
+def _registry_info() -> MemoInfo:
+    with _REGISTRY_LOCK:
+        return MemoInfo("ops.specs", 0, 0, 0, len(_REGISTRY), _REGISTRY_MAX)
+
+
+register_clear("ops.specs", None, _registry_info,
+               keeps="compiled graphs name their spec by key; the specs hold no tensor data (meta templates)")
 
 
 def spec_key(spec: AttentionSpec) -> str:

@@ -21,9 +21,7 @@ host ints).
 from __future__ import annotations
 
 import dataclasses
-import threading
 import warnings
-from collections import OrderedDict
 from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
@@ -31,7 +29,7 @@ import torch
 from . import engine_speed, engines, planning
 from . import length_checks as L
 from . import validation as V
-from .memo import register_clear
+from .memo import BoundedMemo
 from .layouts import logical_shape
 from .spec import AttentionSpec, frozen_template
 from .static import NO_VARLEN, Refusal, StaticProblem, Varlen, bucket
@@ -130,43 +128,8 @@ def _bucket_arg(n: Any) -> Any:
 # ----------------------------------------------------------------------------- the cache
 
 
-class _PlanCache:
-    """Bounded, thread-safe LRU of call plans: a hit moves its plan to the recent end, a put past
-    `maxsize` evicts the least recently used plan."""
-
-    def __init__(self, maxsize: int = 512) -> None:
-        self.maxsize = maxsize
-        self._entries: "OrderedDict[tuple, CallPlan]" = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def get(self, key: tuple) -> Optional[CallPlan]:
-        with self._lock:
-            plan = self._entries.get(key)
-            if plan is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-            return plan
-
-    def put(self, key: tuple, plan: CallPlan) -> CallPlan:
-        with self._lock:
-            self.misses += 1
-            self._entries[key] = plan
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.maxsize:
-                self._entries.popitem(last=False)
-        return plan
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-PLANS = _PlanCache()
+#: Call plans by call signature (a plan holds no caller tensor: see `StaticProblem`).
+PLANS = BoundedMemo(512, "plan.plans")
 
 
 def clear_plans() -> None:
@@ -174,9 +137,6 @@ def clear_plans() -> None:
     rectangles' routes); the graph cache keeps its graphs."""
     PLANS.clear()
     engines.clear_memos()
-
-
-register_clear("plan.plans", clear_plans)
 
 
 def call_signature(spec: AttentionSpec, q: Any, k: Any, v: Any, varlen: Varlen, mod: Any,

@@ -14,15 +14,13 @@ same live object). Specs hold a mod's `structure_only()` (shapes, no data), neve
 from __future__ import annotations
 
 import math
-import threading
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Any, Hashable, Optional, Tuple
 
 from . import validation as V
 from .engine_table import names as backend_names
-from .memo import register_clear
+from .memo import BoundedMemo
 from .problem import MASK_TYPES, QKV_FORMATS, Band
 
 __all__ = ["AttentionSpec", "resolve_spec", "SOFTMAX_TYPES", "clear_spec_memo"]
@@ -141,52 +139,6 @@ def _resolve(qkv_format: Any, attn_mask_type: Any, window_size: Any, softmax_sca
     return spec, mod
 
 
-class _SpecMemo:
-    """Bounded, thread-safe LRU of resolved specs keyed by the call's configuration arguments.
-
-    The score_mod enters the key by identity and the entry holds it weakly (a hit checks it is
-    the very same, live object): the memo keeps no user's mod, nor its tensors, alive. The spec
-    holds the mod's `structure_only()`; the normalized mod is held only when it is not the
-    given object and holds no tensor (a traced plain function), else rebuilt from the given one."""
-
-    def __init__(self, maxsize: int = 256) -> None:
-        self._maxsize = maxsize
-        self._entries: "OrderedDict[tuple, Tuple[AttentionSpec, Any, Any]]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple, score_mod: Any) -> Optional[Tuple[AttentionSpec, Any]]:
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is None:
-                return None
-            spec, mod, ref = hit
-            if (score_mod is not None if ref is None else ref() is not score_mod):
-                return None
-            self._entries.move_to_end(key)
-        return spec, (score_mod if mod is _SAME else mod)
-
-    def put(self, key: tuple, score_mod: Any, spec: AttentionSpec, mod: Any) -> None:
-        ref = None
-        if score_mod is not None:
-            try:
-                ref = weakref.ref(score_mod)
-            except TypeError:
-                return  # not weakly referenceable: not memoized
-        if mod is score_mod:
-            mod = _SAME
-        elif mod is not None and mod.structure_only() is not mod:
-            return  # a normalized mod holding tensors: not memoized
-        with self._lock:
-            self._entries[key] = (spec, mod, ref)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._maxsize:
-                self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-
 _SAME = object()  # the entry's normalized mod is the given score_mod itself
 
 
@@ -211,7 +163,12 @@ def stored_mod(mod: Any, given: Any) -> Any:
 def loaded_mod(stored: Any, given: Any) -> Any:
     """The normalized mod from `stored_mod`'s value, for the same given score_mod."""
     return given if stored is _SAME else stored
-_MEMO = _SpecMemo()
+#: Resolved specs keyed by the call's configuration arguments. The score_mod enters the key by
+#: identity and the entry holds it weakly (a hit checks it is the very same, live object): the memo
+#: keeps no user's mod, nor its tensors, alive. The spec holds the mod's `structure_only()`; the
+#: normalized mod is held only when it is not the given object and holds no tensor (a traced
+#: plain function), else rebuilt from the given one.
+_MEMO = BoundedMemo(256, "spec.resolved")
 
 
 def clear_spec_memo() -> None:
@@ -219,7 +176,23 @@ def clear_spec_memo() -> None:
     _MEMO.clear()
 
 
-register_clear("spec.resolved", clear_spec_memo)
+def _memo_get(key: tuple, score_mod: Any) -> Optional[Tuple[AttentionSpec, Any]]:
+    hit = _MEMO.get_identity(key, (score_mod,))
+    if hit is None:
+        return None
+    spec, mod = hit
+    return spec, loaded_mod(mod, score_mod)
+
+
+def _memo_put(key: tuple, score_mod: Any, spec: AttentionSpec, mod: Any) -> None:
+    if score_mod is not None:
+        try:
+            weakref.ref(score_mod)
+        except TypeError:
+            return  # not weakly referenceable: not memoized (the memo would keep it alive)
+    if mod is not score_mod and mod is not None and mod.structure_only() is not mod:
+        return  # a normalized mod holding tensors: not memoized
+    _MEMO.put_identity(key, (score_mod,), (spec, stored_mod(mod, score_mod)))
 
 
 def _typed(value: Any) -> Any:
@@ -250,12 +223,12 @@ def resolve_spec(qkv_format: Any = "bshd", attn_mask_type: Any = "no_mask", wind
         except TypeError:
             key = None
         if key is not None:
-            hit = _MEMO.get(key, score_mod)
+            hit = _memo_get(key, score_mod)
             if hit is not None:
                 return hit
     spec, mod = _resolve(qkv_format, attn_mask_type, window_size, softmax_scale, score_mod, score_mod_tensors,
                          score_mod_bprop, score_mod_bprop_tensors, return_lse, backend, deterministic,
                          softmax_type, dropout_p)
     if key is not None:
-        _MEMO.put(key, score_mod, spec, mod)
+        _memo_put(key, score_mod, spec, mod)
     return spec, mod

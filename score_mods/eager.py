@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from .caches import register_lru
 from . import optable
 from .expr import INDEX_AXES, Node, topo_order
 
@@ -101,6 +102,7 @@ def evaluate(root: Node, env: Dict[str, Any], params: Mapping[str, Any], extra: 
 Program = Tuple[Tuple[Node, Tuple[int, ...]], ...]
 
 
+@register_lru("score_mods.eager.program")
 @functools.lru_cache(maxsize=1024)
 def program(root: Node) -> Program:
     """root's nodes in evaluation order, each with its operands' positions in that order: what

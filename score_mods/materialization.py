@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from . import eager
+from . import caches, eager
 from .expr import INDEX_AXES, Node, reads
 
 #: Bounds of the memo: entries, and bytes of tensors held (dense operands can be large).
@@ -37,7 +37,7 @@ MAX_BYTES = 256 * 2 ** 20
 _LOCK = threading.RLock()  # re-entrant: a weakref callback may run under it (GC)
 _MEMO: "collections.OrderedDict[Any, Tuple[torch.Tensor, tuple]]" = collections.OrderedDict()
 _BYTES = [0]
-_STATS = {"hits": 0, "misses": 0, "uncached": 0}
+_STATS = {"hits": 0, "misses": 0, "uncached": 0, "evictions": 0}
 
 
 def cache_info() -> Dict[str, int]:
@@ -51,7 +51,16 @@ def clear_cache() -> None:
     with _LOCK:
         _MEMO.clear()
         _BYTES[0] = 0
-        _STATS.update(hits=0, misses=0, uncached=0)
+        _STATS.update(hits=0, misses=0, uncached=0, evictions=0)
+
+
+def _info() -> caches.Info:
+    with _LOCK:
+        return ("score_mods.materialization", _STATS["hits"], _STATS["misses"], _STATS["evictions"], len(_MEMO),
+                MAX_ENTRIES, _BYTES[0], MAX_BYTES)
+
+
+caches.register("score_mods.materialization", _info, clear_cache)
 
 
 def _exact(v: Any) -> Any:
@@ -113,6 +122,7 @@ def _store(key, refs, value: torch.Tensor) -> None:
         _BYTES[0] += size
         while len(_MEMO) > MAX_ENTRIES or _BYTES[0] > MAX_BYTES:
             _drop(next(iter(_MEMO)))
+            _STATS["evictions"] += 1
 
 
 def _evaluate(node: Node, dims, device, dtype, params: Dict[str, Any], axes: Sequence[str], dense: bool) -> torch.Tensor:

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from . import caches
+
 __all__ = ["template", "template_key"]
 
 
@@ -38,6 +40,15 @@ _SLOTS = _Slots()
 _ORDER: "OrderedDict[str, None]" = OrderedDict()  # slot names, least recently used first
 _LOCK = threading.Lock()
 _MAX = 512
+
+
+def _info() -> caches.Info:
+    with _LOCK:
+        return ("score_mods.templates", 0, 0, 0, len(_ORDER), _MAX, 0, None)
+
+
+caches.register("score_mods.templates", _info, None,
+                keeps="compiled code reaches each structure by its slot name; the structures hold no tensor data")
 _PLAIN = (bool, int, float, str, type(None))
 
 

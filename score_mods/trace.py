@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
 
 import torch
 
+from .caches import register_lru
 from . import expr, parts
 from .bands import band_of
 from .base import ScoreMod, meta_like
@@ -380,6 +381,7 @@ class TracedMod(CudnnLowering, EagerAdapters, ScoreMod):
         return f"<ScoreMod {self.name}({vals})>"
 
 
+@register_lru("score_mods.trace.gather_nodes")
 @functools.lru_cache(maxsize=1024)
 def _gather_nodes(root: Node) -> tuple:
     return tuple(n for n in expr.topo_order(root) if n.op == "gather")

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 import types
-from collections import OrderedDict
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..layouts import from_logical
+from ..memo import BoundedMemo
 
-__all__ = ["refusal", "FlexRunner", "FLEX_CACHE", "clear"]
+__all__ = ["refusal", "FlexRunner", "FLEX_CACHE"]
 
 _PERM = {"bshd": (0, 2, 1, 3), "sbhd": (1, 2, 0, 3), "bhsd": (0, 1, 2, 3)}
 _FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -70,43 +69,9 @@ def refusal(problem, mod: Any) -> Optional[str]:
     return None
 
 
-class _FlexCache:
-    """Bounded, thread-safe LRU of compiled flex functions, band mask_mods and block masks
-    (`misses`: entries made; a reentrant lock: a block mask's maker fetches its mask_mod)."""
-
-    def __init__(self, maxsize: int = 32) -> None:
-        self.maxsize = maxsize
-        self._entries: "OrderedDict[Hashable, Any]" = OrderedDict()
-        self._lock = threading.RLock()
-        self.misses = 0
-
-    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        with self._lock:
-            fn = self._entries.get(key)
-            if fn is not None:
-                self._entries.move_to_end(key)
-                return fn
-            fn = make()
-            self.misses += 1
-            self._entries[key] = fn
-            while len(self._entries) > self.maxsize:
-                self._entries.popitem(last=False)
-            return fn
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-FLEX_CACHE = _FlexCache()
-
-
-def clear() -> None:
-    """Drop every compiled flex function."""
-    FLEX_CACHE.clear()
+#: Compiled flex functions, band mask_mods and block masks (a block mask's factory fetches its
+#: mask_mod: another key, so no factory waits on itself).
+FLEX_CACHE = BoundedMemo(32, "torch_flex.compiled")
 
 
 def _make_call(prog: Any, float_names: tuple, tensor_names: tuple, ints: dict, scale: float, gqa: bool,
@@ -170,11 +135,11 @@ def _block_mask(band: Any, sq: int, skv: int) -> Any:
     shift = skv - sq if band.bottom_right else 0
 
     def make():
-        mask_mod = FLEX_CACHE.get(("mask_mod", band.left, band.right, shift),
-                                  lambda: _band_mask_mod(band.left, band.right, shift))
+        mask_mod = FLEX_CACHE.get_or_create(("mask_mod", band.left, band.right, shift),
+                                            lambda: _band_mask_mod(band.left, band.right, shift))
         return create_block_mask(mask_mod, None, None, sq, skv, device="cpu")
 
-    return FLEX_CACHE.get(("block_mask", band, sq, skv), make)
+    return FLEX_CACHE.get_or_create(("block_mask", band, sq, skv), make)
 
 
 def _float_names(mod: Any) -> tuple:
@@ -220,8 +185,9 @@ class FlexRunner:
         key = (mod.cache_key, tuple(sorted(ints.items())), floats, params, st.scale, gqa, q.dtype, shapes, lengths)
         prog = eager_mod.program(mod.root)
         band = st.spec.band
-        return FLEX_CACHE.get(key, lambda: _make_call(prog, floats, tensors, ints, st.scale, gqa, self.pad,
-                                                      band if self.padding else None, FLEX_CACHE.misses))
+        return FLEX_CACHE.get_or_create(key, lambda: _make_call(prog, floats, tensors, ints, st.scale, gqa, self.pad,
+                                                                band if self.padding else None,
+                                                                FLEX_CACHE.info().misses))
 
     def _lengths(self, q, k, v, varlen):
         """(q, k, v with positions past each sequence's lengths zeroed, (q_lens, kv_lens) int64 (B,))."""

@@ -27,6 +27,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from ..cache_registry import register_lru
+
 __all__ = ["chunk_ids", "plan_regions", "Region", "DenseLayout", "ThdLayout", "LAYOUTS"]
 
 LAYOUTS = ("load_balanced", "contiguous")
@@ -93,6 +95,7 @@ def _servable(q: Tuple[int, ...], kv: Tuple[int, ...], causal: bool, affine: boo
     return None
 
 
+@register_lru("distributed.plan_regions")
 @functools.lru_cache(maxsize=256)
 def plan_regions(q_ids: Tuple[int, ...], kv_ids: Tuple[int, ...], causal: bool, affine: bool) -> Tuple[Region, ...]:
     """The fewest blocks covering the attended pairs (see the module docstring). affine: every

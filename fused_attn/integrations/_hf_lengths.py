@@ -15,7 +15,7 @@ import torch
 from ..memo import BoundedMemo
 from ._hf_refusal import _refused
 
-_PREPARED = BoundedMemo(16, "integrations.transformers.mask_lengths")
+_PREPARED = BoundedMemo(16, "integrations.transformers.mask_lengths", max_bytes=64 << 20)
 
 
 class _Lengths(NamedTuple):

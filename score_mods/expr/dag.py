@@ -11,6 +11,8 @@ import functools
 import math
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
 
+from ..caches import register_lru
+from ..caches import register_lru
 from ..optable import SYMBOL
 
 INDEX_AXES = ("b", "h", "q_idx", "kv_idx")
@@ -79,6 +81,7 @@ def topo_order(root: Node) -> list:
     return order
 
 
+@register_lru("score_mods.expr.topo_tuple")
 @functools.lru_cache(maxsize=4096)
 def topo_tuple(root: Node) -> Tuple[Node, ...]:
     """`topo_order(root)` as a tuple, memoized per structure (bounded; nodes hold no tensors): for
@@ -86,6 +89,7 @@ def topo_tuple(root: Node) -> Tuple[Node, ...]:
     return tuple(topo_order(root))
 
 
+@register_lru("score_mods.expr.structure_key")
 @functools.lru_cache(maxsize=1024)
 def structure_key(root: Node) -> tuple:
     """The DAG as nested tuples of (op, exact attr, kind, operand positions), memoized per structure."""
@@ -114,6 +118,7 @@ def substitute(root: Node, replace: Callable[[Node, Tuple[Node, ...]], Optional[
 Reads = collections.namedtuple("Reads", "params tensors gathers lengths axes")
 
 
+@register_lru("score_mods.expr.reads")
 @functools.lru_cache(maxsize=2048)
 def reads(root: Node) -> "Reads":
     """What a DAG reads (memoized per structure): scalar param names, tensor param names,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Dict, Optional, Tuple
 
+from ..caches import register_lru
 from .. import expr, optable
 from ..expr import Node, direct_axes, topo_order
 from .table import emittable
@@ -18,6 +19,7 @@ AXIS_LETTER = {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "k"}
 _CHEAP = frozenset(("index", "const", "param", "length", "add", "sub", "neg", "mul", "where") + optable.BOOL_OPS)
 
 
+@register_lru("score_mods.lower_cudnn.is_scalar")
 @functools.lru_cache(maxsize=4096)
 def is_scalar(n: Node) -> bool:
     """Only constants, scalar params and lengths below: foldable on the host (a gather never is:
@@ -27,6 +29,7 @@ def is_scalar(n: Node) -> bool:
     return n.op in _SCALAR_LEAVES if not n.args else all(is_scalar(a) for a in n.args)
 
 
+@register_lru("score_mods.lower_cudnn.is_derived")
 @functools.lru_cache(maxsize=4096)
 def is_derived(n: Node) -> bool:
     """Depends on score, dS or an index: an op with such an input is accepted by the engines."""

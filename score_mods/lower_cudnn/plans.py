@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..caches import register_lru
 from .. import optable
 from ..autodiff import grad_dag
 from ..expr import Node, const, show, substitute, topo_order, topo_tuple
@@ -178,6 +179,7 @@ def _operand_layout(plan: Plan) -> tuple:
             tuple(plan.length_materialized))
 
 
+@register_lru("score_mods.lower_cudnn.scaled_plan_for")
 @functools.lru_cache(maxsize=256)
 def scaled_plan_for(root: Node) -> Plan:
     """The plan of a callback that receives c * score (c = `Plan.score_scale`, bound by the backend
@@ -195,6 +197,7 @@ def _varies_along_keys(plan: Plan, n: Node) -> bool:
     return n.op in ("tparam", "mat") and "kv_idx" in plan.operand_axes(n)
 
 
+@register_lru("score_mods.lower_cudnn.plan_for")
 @functools.lru_cache(maxsize=256)
 def plan_for(root: Node) -> Plan:
     return Plan(root)

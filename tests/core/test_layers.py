@@ -16,9 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LAYERS = (
     ("score_mods", lambda m: m == "score_mods" or m.startswith("score_mods.")),
     ("base", lambda m: m in {f"fused_attn.{n}" for n in (
-        "problem", "spec", "layouts", "validation", "length_checks", "memo", "cache", "key_range", "static",
-        "mod_values", "extensions", "planning", "mod_axes", "graph_store", "graph_file", "engine_table", "engine_speed",
-        "tensor_kind", "progress")}),
+        "problem", "spec", "layouts", "validation", "length_checks", "memo", "cache_registry", "cache", "key_range",
+        "static", "mod_values", "extensions", "planning", "mod_axes", "graph_store", "graph_file", "engine_table",
+        "engine_speed", "tensor_kind", "progress")}),
     ("backends", lambda m: m.startswith("fused_attn.backends")),
     ("engines", lambda m: m == "fused_attn.engines"),
     ("runtime", lambda m: m in {"fused_attn.plan", "fused_attn.autograd", "fused_attn.ops", "fused_attn.abstract"}),

@@ -157,15 +157,15 @@ def test_fresh_biases_are_not_kept_alive_by_cudnn_runners(stub):  # noqa: F811
 
 
 def test_graph_cache_clear_empties_every_registered_cache():
-    from fused_attn import memo, spec
+    from fused_attn import cache_registry, spec
 
     gen = torch.Generator().manual_seed(4)
     q = rand(gen, 1, 16, 2, 8)
     fused_attn.dot_product_attention(q, q, q, score_mod=sm.softcap(10.0), backend="reference")  # no flex compile
-    assert len(P.PLANS) and len(spec._MEMO._entries)
+    assert len(P.PLANS) and len(spec._MEMO)
     fused_attn.graph_cache.clear()
-    assert len(P.PLANS) == 0 and len(spec._MEMO._entries) == 0
-    assert all(len(m) == 0 for m in list(memo._ALL))
+    assert len(P.PLANS) == 0 and len(spec._MEMO) == 0
+    assert all(len(m) == 0 for m in list(cache_registry._ALL))
 
 
 # ----------------------------------------------------------------------------- item: the plan cache is an LRU
@@ -176,18 +176,18 @@ def _plan(i: int):
 
 
 def test_plan_cache_evicts_the_least_recently_used():
-    cache = P._PlanCache(maxsize=3)
+    cache = type(P.PLANS)(3, "test.plans")  # the plan cache's kind (a BoundedMemo), small
     for i in range(3):
         cache.put(("k", i), _plan(i))
     assert cache.get(("k", 0)).reason == "0"  # 0 is now the most recent
     cache.put(("k", 3), _plan(3))
     assert cache.get(("k", 1)) is None  # 1 was the least recently used
     assert [cache.get(("k", i)) is not None for i in (0, 2, 3)] == [True, True, True]
-    assert cache.hits == 4 and cache.misses == 4 and len(cache) == 3
+    assert cache.info().hits == 4 and cache.info().misses == 1 and len(cache) == 3
 
 
 def test_plan_cache_is_thread_safe():
-    cache = P._PlanCache(maxsize=16)
+    cache = type(P.PLANS)(16, "test.plans")
     errors = []
 
     def work(seed: int) -> None:
@@ -205,4 +205,4 @@ def test_plan_cache_is_thread_safe():
     for t in threads:
         t.join(timeout=60)
     assert not errors and len(cache) <= 16
-    assert cache.hits + cache.misses >= 4 * 2000 - 4 * 40
+    assert cache.info().hits + cache.info().misses == 4 * 2000

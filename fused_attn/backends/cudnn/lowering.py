@@ -219,7 +219,7 @@ def attn_scale(lowering: Lowering, mod: Any, scale: float, plain: torch.Tensor) 
     return hit
 
 
-_SCALES = BoundedMemo(64, "cudnn.attn_scales")
+_SCALES = BoundedMemo(64, "cudnn.attn_scales", max_bytes=1 << 20)
 
 
 def _length_scalars(sq: int, skv: int) -> Dict[str, torch.Tensor]:
@@ -231,7 +231,7 @@ def _length_scalars(sq: int, skv: int) -> Dict[str, torch.Tensor]:
     return hit
 
 
-_LENGTHS = BoundedMemo(64, "cudnn.length_scalars")
+_LENGTHS = BoundedMemo(64, "cudnn.length_scalars", max_bytes=1 << 20)
 
 
 def bias_tensor(lowering: Lowering, mod: Any, device: Any = None, dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:

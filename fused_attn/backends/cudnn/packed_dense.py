@@ -46,7 +46,11 @@ class _Batch(NamedTuple):
     q_empty: torch.Tensor  # (Tq,) real query tokens with no key to attend
 
 
-_BATCHES = BoundedMemo(16, "cudnn.packed_dense_batch")
+#: Batches by their cu_seqlens (identity and version): the layers of one step share one. Bounded by
+#: the bytes of their biases too: one bias may reach MAX_BIAS_ELEMENTS (2 GiB in bf16), so the
+#: bound keeps about one such batch, or many small ones, never 16 large ones.
+MAX_BATCH_BYTES = 3 << 30
+_BATCHES = BoundedMemo(16, "cudnn.packed_dense_batch", max_bytes=MAX_BATCH_BYTES)
 
 
 def _composed(mod: Any, bias: torch.Tensor) -> Any:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ...graph_store import GraphStore, GraphStoreWarning, stable_repr
+from ...cache_registry import MemoInfo, register_clear
 from .graphs import CompiledGraph, fast_path
 
 __all__ = ["ENTRY_FORMAT", "stored_key", "environment", "encode", "decode", "load_or_build"]
@@ -36,6 +37,15 @@ ENTRY_FORMAT = "4"
 _LEN = struct.Struct("<I")
 _env_lock = threading.Lock()
 _env_by_device: Dict[int, Dict[str, str]] = {}  # bounded by the number of GPUs
+
+
+def _forget_envs() -> None:
+    with _env_lock:
+        _env_by_device.clear()
+
+
+register_clear("cudnn.persist_env", _forget_envs,
+               lambda: MemoInfo("cudnn.persist_env", 0, 0, 0, len(_env_by_device), -1))
 _unstorable_warned = threading.Event()
 
 

@@ -20,6 +20,7 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from ...cache_registry import MemoInfo, register_at_exit, register_clear, tensor_bytes
 from .graphs import CompiledGraph
 
 __all__ = ["handle_for", "workspace_for", "scratch_for", "execute", "current_stream", "release_all",
@@ -95,10 +96,21 @@ def scratch_for(device_index: int, numel: int) -> torch.Tensor:
 
 
 def release_workspaces() -> None:
-    """Drop every cached workspace and scratch buffer (used when the graph cache is cleared)."""
+    """Drop every cached workspace and scratch buffer (`fused_attn.graph_cache.clear()` does)."""
     with _ws_lock:
         _workspaces.clear()
         _scratch.clear()
+
+
+def _workspace_info() -> MemoInfo:
+    with _ws_lock:
+        bufs = list(_workspaces.values()) + list(_scratch.values())
+    return MemoInfo("cudnn.workspaces", 0, 0, 0, len(bufs), -1, sum(tensor_bytes(b) for b in bufs))
+
+
+# one workspace and one scratch buffer per (device, stream), each as large as the largest use
+register_clear("cudnn.workspaces", release_workspaces, _workspace_info)
+register_at_exit("cudnn.runtime", release_all)
 
 
 def _thread_state(device_index: int) -> list:

@@ -31,6 +31,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from ...cache_registry import register_lru
+
 __all__ = ["prepare", "available", "MAX_BATCH_BUCKET"]
 
 #: one program covers the whole row: batches whose bucket exceeds this use the torch-op form
@@ -39,6 +41,7 @@ _MIN_BLOCK = 16
 _CONSTEXPRS = ("BLOCK", "KV_ROW", "EXT", "NQ", "NKV", "CHECK")
 
 
+@register_lru("cudnn.thd_kernel")
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Any:
     """The jitted kernel, or None without Triton (imported on first use: it is slow to import)."""

@@ -116,7 +116,7 @@ def check_offset_ranges(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> No
             check_offset_range(name, t.shape[0], t.shape[1], t.shape[2])
 
 
-_PREPARED = BoundedMemo(32, "cudnn.thd_prepare")
+_PREPARED = BoundedMemo(32, "cudnn.thd_prepare", max_bytes=64 << 20)
 
 
 def _identity(t: Optional[torch.Tensor]) -> tuple:
@@ -139,11 +139,6 @@ def prepare(layout: ThdLayout, varlen, tokens: Tuple[int, int], limits: Tuple[in
         thd = _prepare(layout, *sources, tokens, limits)
         _PREPARED.put_identity(key, sources, thd)
     return thd
-
-
-def release_prepared() -> None:
-    """Drop memoized batches (with the graph cache)."""
-    _PREPARED.clear()
 
 
 INVALID_CU_SEQLENS = ("fused_attn: invalid cu_seqlens: each must start at 0, be non-decreasing, end at the token "
@@ -212,7 +207,7 @@ def _prepare_ops(layout: ThdLayout, cu_q, cu_kv, pad_q, pad_kv, tokens, limits) 
     return ThdBatch(seq_q, seq_kv, tok_q, offsets), ok
 
 
-_END_PATTERN = BoundedMemo(16, "cudnn.thd_end_pattern")
+_END_PATTERN = BoundedMemo(16, "cudnn.thd_end_pattern", max_bytes=16 << 20)
 
 
 def _ok_general(ext: torch.Tensor, lens: torch.Tensor, n: int, has_pad_q: bool, has_pad_kv: bool,

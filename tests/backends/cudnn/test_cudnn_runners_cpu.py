@@ -540,7 +540,7 @@ def test_compiled_calls_build_their_graphs_for_their_own_tensor_shapes(stub):
 
         out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
         assert out.shape == q.shape
-        keys = [p.runner.graphs.keys["fwd"] for p in list(PLANS._entries.values())]
+        keys = [p.runner.graphs.keys["fwd"] for p in list(PLANS._data.values())]
         graphs.append(keys[-1].bias[0])
     assert graphs == [(1, 2, 128, 128), (1, 2, 256, 256), (2, 2, 128, 128)]
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fused_attn
-from fused_attn.testing import assert_close, grad_tolerances, lse_tolerance, reference_attention, tolerance
+from fused_attn.testing import (assert_close, grad_tolerances, lse_tolerance, mask_band, packed_tolerances,
+                                reference_attention, tolerance)
 
 
 def qkv(gen, b=2, s=7, h=3, hkv=3, d=8, dtype=torch.float64):
@@ -46,19 +47,14 @@ def test_sinks_match_float64(gen, softmax_type, mask, hkv):
 
 
 def test_sinks_thd_match_dense_per_sequence(gen):
-    lens = [3, 0, 5]
     cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
     q, k, v = (torch.randn(8, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     sinks = torch.tensor([0.5, -0.25], dtype=torch.float64)
     out = fused_attn.dot_product_attention(q, k, v, qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                            softmax_type="learnable", sinks=sinks, attn_mask_type="causal")
-    start = 0
-    for n in lens:
-        if n:
-            sl = [t[start:start + n].transpose(0, 1)[None] for t in (q, k, v)]
-            exact, _ = reference_attention(*sl, 8 ** -0.5, torch.ones(n, n, dtype=torch.bool).tril(), None, sinks)
-            assert_close(out[start:start + n].transpose(0, 1)[None], exact, 1e-12, f"sequence of {n}")
-        start += n
+    exact, bounds = packed_tolerances(q, k, v, None, cu, cu, 8 ** -0.5, torch.float64, band=mask_band("causal"),
+                                      sinks=sinks)
+    assert_close(out, exact["out"], bounds["out"], "out")
 
 
 def test_module_learnable_sinks_are_a_trained_parameter(gen):

@@ -149,10 +149,10 @@ def test_new_values_reuse_the_compiled_function():
     q, k, v = _inputs(8, 2, 4, 2, 19, 19, 32, torch.float32)
     check_flex(sm.alibi(slopes), q, k, v, "alibi")
     check_flex(sm.softcap(2.0), q, k, v, "softcap 2")
-    made = torch_flex.FLEX_CACHE.misses
+    made = torch_flex.FLEX_CACHE.info().misses
     check_flex(sm.alibi(slopes * 3), q, k, v, "alibi x3")
     check_flex(sm.softcap(7.5), q, k, v, "softcap 7.5")
-    assert torch_flex.FLEX_CACHE.misses == made
+    assert torch_flex.FLEX_CACHE.info().misses == made
     fused_attn.graph_cache.clear()
     assert len(torch_flex.FLEX_CACHE) == 0
 
