@@ -6,8 +6,8 @@ is passed as is and sbhd / bhsd as transposed views (no copies); the output is w
 buffer in the query's own format. Its gradients come back in the inputs' layouts (FA4 allocates
 them like its inputs). thd goes to the varlen kernels with cu_seqlens (int32) and max_seqlen.
 lse: fp32 (B, H, Sq) dense / (H, Tq) thd, with sinks folded in, as the reference's.
-Per call the runner reads the mod's values: the window of a library mask, the cap of the
-softcap, the tensors and scalars of a generated CuTe mod (aux tensors / aux scalars: new values
+Per call the runner reads the mod's values: the window of a library mask, the
+tensors and scalars of a generated CuTe mod (the library's softcap among them) (aux tensors / aux scalars: new values
 never recompile).
 """
 
@@ -91,8 +91,6 @@ class Fa4Runner:
         if self.packed:
             args.update(cu_seqlens_q=_int32(varlen.cu_seqlens_q), cu_seqlens_k=_int32(varlen.cu_seqlens_kv),
                         max_seqlen_q=varlen.max_seqlen_q, max_seqlen_k=varlen.max_seqlen_kv)
-        if self.plan.softcap:
-            args["softcap"] = float(mod.scalars()["cap"])
         if self.plan.sinks == "learnable":
             args["learnable_sink"] = sinks
         elif self.plan.sinks == "off-by-one":
@@ -155,8 +153,6 @@ class Fa4Runner:
         args = self._common(varlen, mod, sinks, q)
         if self.fns is not None:
             args["score_mod"], args["score_mod_bwd"] = self.fns.score_mod, self.fns.score_mod_bwd
-        if "softcap" not in args:
-            args["softcap"] = 0.0
         with torch.no_grad():
             got = fa._flash_attn_bwd(_bshd(q, self.fmt), _bshd(k, self.fmt), _bshd(v, self.fmt),
                                      _bshd(out, self.fmt), _bshd(grad_out, self.fmt), lse,

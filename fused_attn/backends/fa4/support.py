@@ -4,7 +4,7 @@ FA4 serves natively: dense bshd / sbhd / bhsd (strided views) and packed thd (cu
 causal and sliding-window bands (FA4 aligns bands bottom-right: a top-left band is exact only
 when every sequence has Sq == Skv), GQA / MQA, learnable and off-by-one sinks, the lse, a
 deterministic backward, fp16 / bf16, head dims 8..256 in multiples of 8 (sm90; sm100: FA4's own
-narrower set). The library's softcap runs as FA4's softcap; a mod that is exactly a library mask
+narrower set). A mod that is exactly a library mask
 runs as FA4's band; any other traced score_mod runs as generated CuTe callables
 (`cute_source`), its float parameters as runtime scalars.
 
@@ -23,7 +23,7 @@ import torch
 from ...problem import Band
 from . import cute_source
 
-__all__ = ["Plan", "decide", "is_softcap"]
+__all__ = ["Plan", "decide", "window"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 _SM100_PAIRS = ((192, 128), (256, 256))
@@ -32,30 +32,13 @@ _SM100_PAIRS = ((192, 128), (256, 256))
 @dataclass(frozen=True)
 class Plan:
     """How one problem runs on FA4: `band` the fixed band of the spec (or None), `mod_band` True
-    when the call's mod is a library mask read per call, `softcap` True when the mod is the
-    library's softcap (its cap read per call), `source` the generated CuTe module of any other
+    when the call's mod is a library mask read per call, `source` the generated CuTe module of any other
     mod (None without one), `sinks` the softmax_type's sink ("learnable" / "off-by-one" / None)."""
 
     band: Optional[Band]
     mod_band: bool
-    softcap: bool
     source: Optional[cute_source.Source]
     sinks: Optional[str]
-
-
-_SOFTCAP_KEY: list = []
-
-
-def is_softcap(mod: Any) -> bool:
-    """Whether `mod` is structurally the library's softcap (any cap value)."""
-    if not _SOFTCAP_KEY:
-        from score_mods.library import softcap
-
-        _SOFTCAP_KEY.append(softcap(1.0).cache_key)
-    try:
-        return mod.cache_key == _SOFTCAP_KEY[0]
-    except Exception:
-        return False
 
 
 def _head_dims(problem: Any, major: int) -> Optional[str]:
@@ -100,13 +83,13 @@ def decide(problem: Any, major: int) -> Union[Plan, str]:
     sinks = spec.softmax_type if spec.has_sinks else None
     mod = spec.score_mod
     if mod is None:
-        return Plan(band, False, False, None, sinks)
+        return Plan(band, False, None, sinks)
     native = getattr(mod, "native_band", None)
     if native is not None:
         if band is not None and band != Band(*native):
             return "a library mask score_mod next to a different attn_mask_type band"
         why = _band_refusal(Band(*native), problem)
-        return why if why else Plan(None, True, False, None, sinks)
+        return why if why else Plan(None, True, None, sinks)
     if problem.needs_grad and any(entry[5] for entry in problem.mod_tensors):
         names = ", ".join(entry[0] for entry in problem.mod_tensors if entry[5])
         return f"score_mod tensor parameters that need a gradient ({names}): FA4 computes no gradient for them"
@@ -119,7 +102,7 @@ def decide(problem: Any, major: int) -> Union[Plan, str]:
         source = cute_source.source_for(mod)
     except cute_source.Unsupported as exc:
         return f"score_mod {mod.name!r}: {exc}"
-    return Plan(band, False, False, source, sinks)
+    return Plan(band, False, source, sinks)
 
 
 def window(band: Optional[Band]) -> Tuple[bool, Optional[int], Optional[int]]:

@@ -111,7 +111,7 @@ def test_native_features_plan():
     assert support.window(plan.band) == (True, None, None)
     assert support.window(Band(128, 0, True)) == (False, 128, 0)
     soft = support.decide(_problem({"score_mod": sm.softcap(30.0)}), 9)
-    assert not soft.softcap and soft.source is not None and soft.source.scalars == ("cap",)
+    assert soft.source is not None and soft.source.scalars == ("cap",)
     win = support.decide(_problem({"score_mod": sm.sliding_window(64, 0)}), 9)
     assert win.mod_band and win.band is None
     gen = support.decide(_problem({"score_mod": sm.alibi(sm.alibi_slopes(8))}), 9)
