@@ -7,8 +7,8 @@ buffer in the query's own format. Its gradients come back in the inputs' layouts
 them like its inputs). thd goes to the varlen kernels with cu_seqlens (int32) and max_seqlen.
 lse: fp32 (B, H, Sq) dense / (H, Tq) thd, with sinks folded in, as the reference's.
 Per call the runner reads the mod's values: the window of a library mask, the
-tensors and scalars of a generated CuTe mod (the library's softcap among them) (aux tensors / aux scalars: new values
-never recompile).
+tensors and scalars of a generated CuTe mod, the library's softcap among them (aux tensors /
+aux scalars: new values never recompile).
 """
 
 from __future__ import annotations
