@@ -69,7 +69,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--skip", type=int, default=20, help="steps left out of tokens/s (warmup, graph builds)")
     p.add_argument("--attn", default="fused,sdpa", help="comma list of fused, sdpa (run in this order)")
-    p.add_argument("--cp-comm", default="ring", choices=fd.CP_COMMS)
+    p.add_argument("--cp-comm", default="auto", choices=fd.CP_COMMS)
     p.add_argument("--sdpa-rotate", default="alltoall", choices=("alltoall", "allgather"))
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)

@@ -243,12 +243,16 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     results = {}
     try:
         for name, fn in CASES.items():
+            start = time.monotonic()
             try:
                 fn(rank, world)
                 results[name] = [True, ""]
             except Exception as e:  # noqa: BLE001
                 results[name] = [False, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"]
             dist.barrier()
+            if rank == 0:  # progress, so a timeout can say how far the group got
+                with open(os.path.join(outdir, "progress.txt"), "a") as f:
+                    f.write(f"{name}: {'ok' if results[name][0] else 'failed'} in {time.monotonic() - start:.1f} s\n")
     finally:
         with open(os.path.join(outdir, f"gpu_results_{rank}.json"), "w") as f:
             json.dump(results, f)
@@ -285,7 +289,9 @@ def run_case(tmp_path_factory):
         if time.monotonic() > end:
             for p in ctx.processes:
                 p.kill()
-            raise TimeoutError(f"the {world}-GPU group did not finish in 900 s")
+            progress = os.path.join(outdir, "progress.txt")
+            done = open(progress).read() if os.path.exists(progress) else "no case finished\n"
+            raise TimeoutError(f"the {world}-GPU group did not finish in 900 s; cases done:\n{done}")
     merged: Dict[str, Any] = {}
     for r in range(world):
         with open(os.path.join(outdir, f"gpu_results_{r}.json")) as f:

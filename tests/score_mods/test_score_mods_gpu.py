@@ -248,8 +248,22 @@ def test_query_axis_inputs_train_on_cudnn_and_key_axis_inputs_are_refused(dtype)
     with pytest.raises(NotImplementedError, match="along the keys only"):
         _cudnn(fused_attn, key_bias, q, k, v, dtype, grad=True)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    with pytest.warns(fused_attn.FallbackWarning, match="along the keys only"):
-        fused_attn.dot_product_attention(*leaves, qkv_format="bhsd", score_mod=key_bias)
+    chosen = fused_attn.explain(*leaves, qkv_format="bhsd", score_mod=key_bias).backend
+    assert chosen != "cudnn", "backend='auto' chose cuDNN for a per-key tensor term it refuses"
+    if chosen != "fa4":
+        with pytest.warns(fused_attn.FallbackWarning, match="along the keys only"):
+            fused_attn.dot_product_attention(*leaves, qkv_format="bhsd", score_mod=key_bias)
+        return
+    # flash-attn-4 is installed and serves the per-key term: no fallback, and its answer is right
+    fn = lambda sc, b, h, qi, ki: sc + w64[ki]  # noqa: E731
+    out = fused_attn.dot_product_attention(*leaves, qkv_format="bhsd", score_mod=key_bias)
+    exact, _ = testing.reference_attention(q, k, v, scale, score_fn=fn)
+    testing.assert_close(out.float(), exact.float(), testing.tolerance(q, k, v, scale, dtype, score_fn=fn),
+                         what="key_bias out (fa4)")
+    out.backward(dout.to(dtype))
+    grads, bounds = testing.grad_tolerances(q, k, v, dout, scale, dtype, score_fn=fn)
+    for what, leaf, g_exact, b in zip(("dq", "dk", "dv"), leaves, grads, bounds):
+        testing.assert_close(leaf.grad.float(), g_exact.float(), b, what=f"key_bias {what} (fa4)")
 
 
 def test_batch_only_inputs_run_on_cudnn_only_where_read_right():
