@@ -162,8 +162,11 @@ def _why_not(name: str, problem: StaticProblem) -> Optional[str]:
 def _build(name: str, problem: StaticProblem, build: bool) -> Tuple[Any, Optional[str]]:
     """(runner or True when not building, None) or (None, why)."""
     why = _why_not(name, problem)
-    if why is not None:
-        return None, why
+    return (None, why) if why is not None else _make(name, problem, build)
+
+
+def _make(name: str, problem: StaticProblem, build: bool) -> Tuple[Any, Optional[str]]:
+    """`_build` for an engine whose `refusal` already passed this problem."""
     if not build:
         return True, None
     try:
@@ -195,7 +198,7 @@ def choose(problem: StaticProblem, build: bool = True) -> Tuple[str, str, Any]:
         candidates.append(name)
     order, why_order = engine_speed.rank(problem, candidates)
     for name in order:
-        runner, why = _build(name, problem, build)
+        runner, why = _make(name, problem, build)
         if runner is not None:
             notes = ([why_order] if why_order else []) + declined
             reason = f"{name} serves it" + (f" ({'; '.join(notes)})" if notes else "")

@@ -5,6 +5,7 @@ says why FA4 was not used."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional, Tuple
 
 import torch
@@ -19,6 +20,20 @@ class Fa4Engine:
     name = "fa4"
     auto_devices: Tuple[str, ...] = ("cuda",)
 
+    def __init__(self) -> None:
+        # the last (problem, decision) of this thread: `make_runner` follows `refusal` for the same
+        # problem when a plan is built, and the decision (it writes the score_mod's CuTe source)
+        # is made once; one slot per thread, so no lock and no growth
+        self._last = threading.local()
+
+    def _decide(self, problem: Any) -> Any:
+        last = getattr(self._last, "pair", None)
+        if last is not None and last[0] is problem:
+            return last[1]
+        got = support.decide(problem, install.arch(problem.device)[0])
+        self._last.pair = (problem, got)
+        return got
+
     def unavailable(self) -> Optional[str]:
         return install.unavailable()
 
@@ -30,13 +45,14 @@ class Fa4Engine:
         why = install.arch_refusal(problem.device)
         if why:
             return why
-        got = support.decide(problem, install.arch(problem.device)[0])
+        got = self._decide(problem)
         return got if isinstance(got, str) else None
 
     def make_runner(self, problem: Any) -> Any:
         from .runner import Fa4Runner
 
-        got = support.decide(problem, install.arch(problem.device)[0])
+        got = self._decide(problem)
+        self._last.pair = None  # the runner holds the decision; the slot keeps no problem alive
         if isinstance(got, str):
             raise Refusal(got)
         return Fa4Runner(problem, got)

@@ -2,7 +2,7 @@
 
 Imported lazily: the library imports FA4 (and the CuTe DSL behind it) only when the FA4 engine
 is asked about a CUDA problem. The answer is computed once per process (a one-slot cache under a
-lock); a device's architecture once per device index (at most `_MAX_DEVICES`).
+lock); the architecture comes from `fused_attn.device_facts` (once per device).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ... import device_facts
+
 __all__ = ["PINNED_VERSION", "INSTALL_HINT", "module", "unavailable", "version", "arch_refusal", "arch"]
 
 #: the flash-attn-4 release this engine is written and tested against (3rdparty/requirements-fa4.txt)
@@ -19,11 +21,9 @@ PINNED_VERSION = "4.0.0b36"
 INSTALL_HINT = "pip install 'fused_attn[fa4]'"
 #: compute capabilities (major) whose FA4 kernels this engine runs: Hopper (sm90), Blackwell (sm100)
 SUPPORTED_MAJORS = (9, 10)
-_MAX_DEVICES = 64
 
 _lock = threading.Lock()
 _state: Dict[str, Any] = {}
-_arch: Dict[int, tuple] = {}
 
 
 def _load() -> None:
@@ -70,14 +70,7 @@ def version() -> Optional[str]:
 
 def arch(device: torch.device) -> tuple:
     """(major, minor) compute capability of a CUDA device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _arch.get(index)
-    if got is None:
-        got = tuple(torch.cuda.get_device_capability(index))
-        with _lock:
-            if len(_arch) < _MAX_DEVICES:
-                _arch[index] = got
-    return got
+    return device_facts.capability(device)
 
 
 def arch_refusal(device: torch.device) -> Optional[str]:
