@@ -69,6 +69,6 @@ def backward_shapes(spec: Any, mod: Any, query: torch.Tensor, key: torch.Tensor,
     from . import ops
 
     op_key, _ = _op_key(spec, mod, query, key, value, varlen, sinks)
-    tensors = [] if mod is None or not hasattr(mod, "tensors") else list(mod.tensors().values())
+    tensors = [] if mod is None else list(mod.tensors().values())
     extra = ops._differentiated(ops.lookup_spec(op_key), tensors, sinks)
     return tuple(torch.empty_like(t) for t in (query, key, value, *extra))

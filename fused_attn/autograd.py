@@ -36,7 +36,7 @@ class PlanAttention(torch.autograd.Function):
         ctx.runner, ctx.state, ctx.n_extras = runner, state, len(extras)
         # a module updates its score_mod's values in place (TracedMod.take_values replaces the
         # values dict): the backward checks they are still the forward's
-        ctx.mod, ctx.mod_values, ctx.mod_versions = mod, getattr(mod, "_values", None), tensor_versions(mod)
+        ctx.mod, ctx.mod_values, ctx.mod_versions = mod, None if mod is None else mod.bound_values, tensor_versions(mod)
         ctx.save_for_backward(*saved)
         if lse is not None:
             ctx.mark_non_differentiable(lse)

@@ -20,17 +20,14 @@ import csv
 import functools
 import math
 import os
-import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from . import device_facts
 from .cache_registry import register_lru
 
 __all__ = ["family", "rank", "table", "table_path", "arch_of", "seq_of", "clear"]
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "speed")
-_lock = threading.Lock()
-_arch: Dict[Any, str] = {}
-_MAX_DEVICES = 64
 
 
 def table_path(arch: str) -> str:
@@ -57,26 +54,13 @@ def table(arch: str) -> Dict[str, List[Tuple[int, str, float, float]]]:
 
 
 def clear() -> None:
-    """Forget loaded tables and architectures (after a new table is written)."""
+    """Forget loaded tables (after a new table is written)."""
     table.cache_clear()
-    with _lock:
-        _arch.clear()
 
 
 def arch_of(device: Any) -> Optional[str]:
     """"sm90" for a CUDA device of compute capability 9.0, None for other devices."""
-    if getattr(device, "type", None) != "cuda":
-        return None
-    got = _arch.get(device)
-    if got is None:
-        import torch
-
-        major, minor = torch.cuda.get_device_capability(device)
-        got = f"sm{major}{minor}"
-        with _lock:
-            if len(_arch) < _MAX_DEVICES:
-                _arch[device] = got
-    return got
+    return device_facts.arch_name(device)
 
 
 def family(problem: Any) -> str:
@@ -84,13 +68,13 @@ def family(problem: Any) -> str:
     spec = problem.spec
     mod = spec.score_mod
     band = spec.band
-    native = getattr(mod, "native_band", None) if mod is not None else None
+    native = mod.native_band if mod is not None else None
     if native is not None and band is None:
         band_left, band_right = native[0], native[1]
         mod_kind = "none"
     else:
         band_left, band_right = (band.left, band.right) if band is not None else (None, None)
-        mod_kind = "none" if mod is None else ("softcap" if getattr(mod, "base_name", "") == "softcap" else "mod")
+        mod_kind = "none" if mod is None else ("softcap" if mod.base_name == "softcap" else "mod")
     if band is None and native is None:
         mask = "none"
     elif band_left is None and band_right == 0:

@@ -48,7 +48,7 @@ def index_uses(mod: Any) -> Optional[frozenset]:
     dim of that tensor is also read at another subscript (a shard could not serve both)."""
     if mod is None:
         return frozenset()
-    root = getattr(mod, "root", None)
+    root = mod.root
     if root is None:
         return None
     arithmetic, dims = _index_reads(root)
@@ -64,7 +64,7 @@ def tensor_axes(mod: Any) -> Optional[Dict[str, tuple]]:
     for a traced mod, else None."""
     if mod is None:
         return {}
-    root = getattr(mod, "root", None)
+    root = mod.root
     if root is None:
         return None if mod.tensors() else {}
     _, dims = _index_reads(root)

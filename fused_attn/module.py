@@ -193,7 +193,7 @@ class DotProductAttention(nn.Module):
         # score_mod that nothing updates in place (`_call_mod` is, for torch.compile), and the
         # configuration the per-call overrides start from. An assignment from another thread
         # replaces it whole, so a call never mixes two configurations.
-        eager_mod = mod.private_copy() if hasattr(mod, "private_copy") else mod
+        eager_mod = None if mod is None else mod.private_copy()
         config = dict(common, score_mod=eager_mod, score_mod_tensors=None, score_mod_bprop=None,
                       score_mod_bprop_tensors=None, return_lse=False)
         config.pop("softmax_type")

@@ -26,6 +26,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from score_mods.base import ScoreMod
+
 from . import engines
 from .cache_registry import MemoInfo, register_clear
 from .plan import Varlen, get_plan
@@ -54,7 +56,7 @@ def spec_key(spec: AttentionSpec) -> str:
     mod = spec.score_mod
     structure = () if mod is None else mod.structural_values()
     digest = hashlib.sha256((repr(spec) + (f"|{structure!r}" if structure else "")).encode()).hexdigest()[:24]
-    name = getattr(mod, "base_name", getattr(mod, "name", "none"))  # value-free: a new value keeps the key
+    name = "none" if mod is None else mod.base_name  # value-free: a new value keeps the key
     return f"{spec.backend}:{name}:{digest}"
 
 
@@ -101,11 +103,7 @@ def _bound_mod(spec: AttentionSpec, scalars: torch.Tensor, tensors: Sequence[tor
                          f"got {scalars.numel()} and {len(tensors)}")
     if not names_s and not names_t:
         return template
-    rebind = getattr(template, "rebind", None)
-    if rebind is None:
-        raise NotImplementedError(f"score_mod {template.name!r} has parameters but no rebind(scalars, tensors); it "
-                                  "cannot be used under torch.compile")
-    return rebind(dict(zip(names_s, (float(x) for x in scalars.tolist()))), dict(zip(names_t, tensors)))
+    return template.rebind(dict(zip(names_s, (float(x) for x in scalars.tolist()))), dict(zip(names_t, tensors)))
 
 
 def _structure_mod(spec: AttentionSpec, tensors: Sequence[torch.Tensor]) -> Any:
@@ -267,10 +265,7 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 def _scalars(mod: Any) -> torch.Tensor:
     if mod is None:
         return torch.zeros(0, dtype=torch.float64)
-    made = getattr(mod, "scalar_tensor", None)
-    if made is not None:
-        return made()
-    return torch.tensor(list(mod.scalars().values()), dtype=torch.float64)
+    return mod.scalar_tensor()
 
 
 def traced_spec(spec: AttentionSpec, device_type: str, dtype: torch.dtype, head_dim: int,
@@ -307,8 +302,8 @@ def call_key(resolver: Any, args: tuple, score_mod: Any, query: torch.Tensor, va
     """`compiled_key` of an entry point's call: a traced mod crosses as its `compile_structure()`
     (a mod bound inside a compiled function is only tracked by torch.compile, not yet a complete
     Python object); anything else as itself."""
-    structure = getattr(score_mod, "compile_structure", None)
-    mod_arg, facts = (score_mod, None) if structure is None else structure()
+    structure = score_mod.compile_structure() if isinstance(score_mod, ScoreMod) else None
+    mod_arg, facts = (score_mod, None) if structure is None else structure
     return compiled_key(resolver, static_value(args), mod_arg, facts, query.device.type, query.dtype,
                         static_int(query.shape[-1]), static_int(value.shape[-1]))
 

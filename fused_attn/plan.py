@@ -217,7 +217,7 @@ def _aligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
                sinks: Optional[torch.Tensor], force_grad: bool = False) -> CallPlan:
-    if mod is not None and getattr(mod, "cache_key", None) == spec.score_mod_key:
+    if mod is not None and mod.cache_key == spec.score_mod_key:
         # A runner takes its graphs' operand shapes and structural values (a native band) from
         # spec.score_mod: make that this call's mod, without its data (the plan outlives the
         # call; under torch.compile the spec holds the registry's template, whose tensor

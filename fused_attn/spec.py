@@ -90,7 +90,7 @@ class AttentionSpec:
         if self.band is not None:
             parts.append(f"band={self.band}")
         if self.score_mod is not None:
-            parts.append(f"score_mod={getattr(self.score_mod, 'name', 'score_mod')!r}")
+            parts.append(f"score_mod={self.score_mod.name!r}")
         if self.softmax_type != "vanilla":
             parts.append(f"softmax_type={self.softmax_type!r}")
         if self.dropout_p:
@@ -149,7 +149,7 @@ def frozen_template(mod: Any) -> Any:
     if mod is None:
         return None
     template = mod.structure_only()
-    if template is mod and hasattr(mod, "private_copy"):
+    if template is mod:
         template = mod.private_copy()
     return template
 

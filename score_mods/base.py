@@ -1,7 +1,8 @@
 """The contract between a score modifier and the attention backends.
 
 A `ScoreMod` is what `dot_product_attention(score_mod=...)` receives once it has been
-normalized (`as_score_mod`). The backends use only the members below:
+normalized (`as_score_mod`). The library and its engines use only the members declared below
+(never private attributes; `tests/core/test_score_mod_contract.py` checks the library's source):
 
 * the reference backend calls `eager(...)` on fp32 score blocks;
 * the cuDNN backend checks `cudnn_unsupported` (None = it can lower the mod), puts `cache_key`
@@ -23,7 +24,8 @@ Scores the modifier sees are *scaled* (softmax_scale already applied), fp32, and
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, Hashable, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, Hashable, Mapping, Optional, Tuple
 
 import torch
 
@@ -32,12 +34,81 @@ import torch
 #: sdpa; for plain dense problems they are pass-by-value fp32 scalars holding Sq and Skv.
 LENGTH_OPERANDS = ("q_len", "kv_len")
 
+_NO_VALUES: Mapping[str, Any] = MappingProxyType({})
+
 
 class ScoreMod(abc.ABC):
     """A score modifier usable by every backend. Subclasses: traced mods, raw cuDNN callbacks."""
 
     #: Short human-readable name ("softcap", "compose(softcap, causal)", ...), for errors and tables.
     name: str = "score_mod"
+    #: The expression DAG (a `score_mods.expr` Node) of a traced mod; None for a mod given as
+    #: callbacks. A mod with a root is a `TracedMod` and also offers its public API (`bind`,
+    #: `rebind`, `program` / `run` / `index_env`), which engines that lower the DAG use.
+    root: Optional[Any] = None
+    #: Parameter declarations by name (`ParamSpec`: kind "float" / "int" / "tensor" and rank);
+    #: empty for a mod given as callbacks.
+    specs: Mapping[str, Any] = _NO_VALUES
+    #: (left, right, bottom_right): the band a backend may run natively in place of this mod (a
+    #: pure library window / causal mask), or None.
+    native_band: Optional[Tuple[Any, ...]] = None
+
+    @property
+    def base_name(self) -> str:
+        """The name without parameter values ("softcap" for "softcap_30"): stable across values."""
+        return self.name
+
+    @property
+    def bound_values(self) -> Mapping[str, Any]:
+        """The parameter values bound now, as one object that a change of values in place
+        (`TracedMod.take_values`) replaces: compared by identity it tells a backend that what it
+        derived from the values is stale; by equality, that the function changed. Default: none."""
+        return _NO_VALUES
+
+    def backend_memo(self) -> Dict[Any, Any]:
+        """A dict in which a backend may keep what it derives from this mod (bounded by the
+        backend). It lives and dies with the mod, so no process-wide cache keeps the mod's
+        tensors alive; a copy of the mod starts with an empty one."""
+        memo = self.__dict__.get("_backend_memo")
+        if memo is None:
+            memo = self.__dict__["_backend_memo"] = {}
+        return memo
+
+    def private_copy(self) -> "ScoreMod":
+        """A copy that owns its state, for holders that later update values in place (a module's
+        `score_mod`). Default: self (a mod whose values never change in place)."""
+        return self
+
+    def trainable(self) -> Dict[str, Any]:
+        """Tensor parameters that may be trained: name -> facts (`parts.Trainable`). Default: none."""
+        return {}
+
+    def split_additive_bias(self) -> Tuple[Optional["ScoreMod"], Optional["ScoreMod"]]:
+        """(score part, bias part) with mod(s) == score_part(s) + g (see TracedMod); (self, None)
+        when the mod has no score-free additive term. Default: (self, None)."""
+        return self, None
+
+    def scalars_typed(self) -> Dict[str, Any]:
+        """Scalar parameters with their kinds (ints as int). Default: `scalars()`."""
+        return dict(self.scalars())
+
+    def scalar_tensor(self) -> torch.Tensor:
+        """The scalar parameters as one CPU float64 tensor in `scalars()` order (a traced mod makes
+        it once, so torch.compile sees a tensor input and a new value does not recompile)."""
+        return torch.tensor(list(self.scalars().values()), dtype=torch.float64)
+
+    def rebind(self, scalars: Dict[str, float], tensors: Dict[str, torch.Tensor]) -> "ScoreMod":
+        """This mod with new parameter values (the compiled path binds them per call). Default: self
+        for a mod without parameters; a mod with parameters and no rebind cannot be compiled."""
+        if scalars or tensors:
+            raise NotImplementedError(f"score_mod {self.name!r} has parameters but no rebind(scalars, tensors); it "
+                                      "cannot be used under torch.compile")
+        return self
+
+    def compile_structure(self) -> Optional[Tuple[str, tuple]]:
+        """What a compiled graph's spec depends on, as constants (see TracedMod), or None: the mod
+        crosses torch.compile as itself. Default: None."""
+        return None
 
     @property
     @abc.abstractmethod

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, Hashable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -130,6 +130,11 @@ class TracedMod(CudnnLowering, EagerAdapters, ScoreMod):
     def base_name(self) -> str:
         """The name without values ("softcap"): stable across value changes."""
         return self._name
+
+    @property
+    def bound_values(self) -> Mapping[str, Any]:
+        """See ScoreMod.bound_values: the values dict, replaced by `take_values`."""
+        return self._values
 
     def _copy(self, values: Dict[str, Any], name: Optional[str] = None) -> "TracedMod":
         return type(self)(self._name if name is None else name, self.root, self.specs, values,

@@ -164,7 +164,7 @@ def _grad_tensors(mod, sinks) -> list:
     """(name, tensor) of the floating score_mod tensor parameters and the sinks: the inputs
     besides q, k, v that gradients flow to (in this order; the autograd layer passes them)."""
     out = []
-    if mod is not None and getattr(mod, "has_reference", True):
+    if mod is not None and mod.has_reference:
         for name, t in mod.tensors().items():
             if t.is_floating_point() and _bindable(mod, name):
                 out.append((name, t))
@@ -175,7 +175,7 @@ def _grad_tensors(mod, sinks) -> list:
 
 def _bindable(mod, name: str) -> bool:
     """True when the mod takes `name` as a bindable tensor parameter (traced mods)."""
-    specs = getattr(mod, "specs", None)
+    specs = None if mod is None else mod.specs
     return specs is not None and name in specs
 
 

@@ -39,7 +39,7 @@ class ReferenceEngine:
     def grad_param_names(self, spec: Any) -> set:
         """Every floating tensor parameter the mod declares (autograd differentiates them all)."""
         template = spec.score_mod
-        specs = getattr(template, "specs", {})
+        specs = template.specs
         return {n for n, t in template.tensors().items() if t.is_floating_point() and n in specs}
 
 

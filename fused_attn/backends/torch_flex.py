@@ -53,8 +53,8 @@ def padded_head_dim(head_dim: int) -> int:
 def refusal(problem, mod: Any) -> Optional[str]:
     """Why flex on CPU cannot run this score_mod problem exactly (None: it can)."""
     spec = problem.spec
-    if getattr(mod, "root", None) is None or not hasattr(mod, "specs"):
-        return f"score_mod {getattr(mod, 'name', mod)!r} is not a traced score_mod (flex needs its torch form)"
+    if mod.root is None:
+        return f"score_mod {mod.name!r} is not a traced score_mod (flex needs its torch form)"
     if problem.needs_grad:
         return ("a score_mod with gradients: torch's compiled flex_attention has no CPU backward (the reference "
                 "computes the gradients)")
@@ -82,7 +82,7 @@ def _make_call(prog: Any, float_names: tuple, tensor_names: tuple, ints: dict, s
     mod sees Sq and Skv; the band is the block mask's) or per-sequence lengths (q_lens (B,),
     kv_lens (B,)) int64: the mod sees them, and positions past them or outside `band` (aligned
     with those lengths) score -inf after the mod."""
-    from score_mods import eager as eager_mod
+    from score_mods import eager as eager_eval
     from torch.nn.attention.flex_attention import flex_attention
 
     def call(q, k, v, floats, tensors, block_mask, lens):
@@ -97,9 +97,9 @@ def _make_call(prog: Any, float_names: tuple, tensor_names: tuple, ints: dict, s
 
         def score_fn(score, b, h, q_idx, kv_idx):
             if lens is None:
-                return eager_mod.run(prog, eager_mod.index_env(score, b, h, q_idx, kv_idx, sq, skv), params)
+                return eager_eval.run(prog, eager_eval.index_env(score, b, h, q_idx, kv_idx, sq, skv), params)
             q_len, kv_len = lens[0][b], lens[1][b]
-            s = eager_mod.run(prog, eager_mod.index_env(score, b, h, q_idx, kv_idx, q_len, kv_len), params)
+            s = eager_eval.run(prog, eager_eval.index_env(score, b, h, q_idx, kv_idx, q_len, kv_len), params)
             ok = (q_idx < q_len) & (kv_idx < kv_len)
             if band is not None:
                 d = kv_idx - q_idx - (kv_len - q_len if band.bottom_right else 0)
@@ -171,7 +171,7 @@ class FlexRunner:
         return list(grads[3:])
 
     def _compiled(self, mod: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable:
-        from score_mods import eager as eager_mod
+        from score_mods import eager as eager_eval
 
         st = self.static
         typed = mod.scalars_typed()
@@ -183,7 +183,7 @@ class FlexRunner:
         params = tuple((n, tuple(t.shape), t.stride(), t.dtype) for n, t in mod.tensors().items())
         lengths = ("lengths", st.spec.band) if self.padding else None
         key = (mod.cache_key, tuple(sorted(ints.items())), floats, params, st.scale, gqa, q.dtype, shapes, lengths)
-        prog = eager_mod.program(mod.root)
+        prog = eager_eval.program(mod.root)
         band = st.spec.band
         return FLEX_CACHE.get_or_create(key, lambda: _make_call(prog, floats, tensors, ints, st.scale, gqa, self.pad,
                                                                 band if self.padding else None,

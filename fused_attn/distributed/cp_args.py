@@ -144,7 +144,7 @@ def _grad_names(mod: Any) -> Tuple[str, ...]:
     no tensor requires grad (their gradients would be summed over the group for nothing)."""
     if mod is None:
         return ()
-    specs = getattr(mod, "specs", None) or {}
+    specs = {} if mod is None else mod.specs
     names = tuple(n for n, t in mod.tensors().items() if t.is_floating_point() and n in specs)
     return names if any(mod.tensors()[n].requires_grad for n in names) else ()
 

@@ -40,7 +40,7 @@ def heads_refusal(heads: int, kv_heads: int, n: int, mod: Any) -> Optional[str]:
                 f"{kv_heads} key/value heads must both be multiples of {n}")
     if mod is None:
         return None
-    name = getattr(mod, "name", "score_mod")
+    name = mod.name
     uses, axes = index_uses(mod), tensor_axes(mod)
     if uses is None or axes is None:
         return (f"score_mod {name!r} is not a traced mod, so its use of the head index is unknown; under "

@@ -64,8 +64,7 @@ class OffsetMod(ScoreMod):
         self.q_offset, self.kv_offset, self.q_len, self.kv_len = q_offset, kv_offset, q_len, kv_len
         self.max_len = max_len  # global (max) query / key lengths: what tensor parameters must cover
         self.name = f"{inner.name}@cp"
-        if hasattr(inner, "specs"):
-            self.specs = inner.specs  # the reference binds gradient leaves through these names
+        self.specs = inner.specs  # the reference binds gradient leaves through these names
 
     @property
     def cache_key(self) -> Hashable:

@@ -337,7 +337,7 @@ def doc_packed_attn(query: Any, key: Any, value: Any, cu_seq: Any, **kwargs: Any
     else:
         raise TypeError(f"cu_seq must be a (B, MAX_DOCS+1) int32 tensor or DTensor, got {type(cu_seq).__name__}")
     mod = kwargs.get("score_mod")
-    if mod is not None and hasattr(mod, "tensors") and mod.tensors():
+    if mod is not None and mod.tensors():
         axes = S.tensor_axes(mod) or {}
         local = {}
         for name, t in mod.tensors().items():
@@ -361,4 +361,4 @@ class _ProbeSpec:
         self.score_mod = as_score_mod(score_mod)
 
     def describe(self) -> str:
-        return f"doc_packed_attn, score_mod={getattr(self.score_mod, 'name', None)!r}"
+        return f"doc_packed_attn, score_mod={None if self.score_mod is None else self.score_mod.name!r}"

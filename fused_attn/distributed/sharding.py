@@ -69,7 +69,7 @@ def allowed_kinds(spec: Any, heads: int, kv_heads: int, n_shards: int = 1) -> Di
     for kind, index in (("batch", "b"), ("heads", "h")):
         if out[kind] is not None or mod is None:
             continue
-        name = getattr(mod, "name", "score_mod")
+        name = mod.name
         if uses is None or axes is None:
             out[kind] = (f"score_mod {name!r} is not a traced mod, so its use of the {index!r} index is unknown; "
                          "each shard would see local indices")

@@ -122,7 +122,7 @@ def test_unregistered_key_and_missing_rebind():
         ops.lookup_spec("nope")
 
     class NoRebind(Softcap):
-        rebind = None
+        rebind = ScoreMod.rebind  # the contract's default: a mod with parameters cannot rebind them
 
         @property
         def cache_key(self):

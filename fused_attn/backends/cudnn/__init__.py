@@ -58,7 +58,7 @@ def refusal(problem: Any, keys_bounded: bool = False) -> Optional[str]:
 
 def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False, ver: Optional[int] = None) -> Optional[str]:
     ver = version.backend_version() if ver is None else ver
-    why = getattr(mod, "cudnn_unsupported", None)
+    why = None if mod is None else mod.cudnn_unsupported
     if why:
         return why
     if problem.needs_grad and not mod.has_backward:
@@ -70,7 +70,7 @@ def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False, ver: Option
         return (f"score_mod {mod.name!r} compares positions against per-sequence lengths "
                 "(bottom-right alignment), which cuDNN computes wrongly on packed or padded batches")
     if problem.spec.band is not None and problem.spec.band.bottom_right and problem.spec.padding:
-        native = getattr(mod, "native_band", None)
+        native = None if mod is None else mod.native_band
         if native is None:
             return ("a bottom-right mask together with a score_mod on padded batches: cuDNN refuses its own band "
                     "next to a score_mod and computes per-sequence offsets wrongly (pass the batch packed, thd)")
@@ -85,17 +85,17 @@ def _mod_refusal(problem: Any, mod: Any, keys_bounded: bool = False, ver: Option
 
             why_dense = dense_refusal(problem, refusal)  # the padded dense batch checks the rest
             return None if why_dense is None else f"{why} (the padded dense form that serves such calls: {why_dense})"
-    batch_only = () if score_part is None else getattr(getattr(score_part, "plan", None), "batch_broadcast_operands", ())
+    plan = None if score_part is None or score_part.root is None else score_part.plan  # a traced mod's lowering
+    batch_only = () if plan is None else plan.batch_broadcast_operands
     if batch_only and quirks.applies("batch_broadcast_operand", ver):
         return quirks.QUIRKS["batch_broadcast_operand"].refusal(
             ver, f"score_mod {mod.name!r} reads {', '.join(batch_only)} inside the graph in a mask or product")
     if problem.needs_grad and score_part is not None and quirks.applies("kv_broadcast_operand_backward", ver):
-        plan = getattr(score_part, "plan", None)
         kv_only = () if plan is None else plan.kv_broadcast_operands
         if kv_only:
             return quirks.QUIRKS["kv_broadcast_operand_backward"].refusal(
                 ver, f"score_mod {mod.name!r} reads {', '.join(kv_only)} inside the graph with gradients required")
-    facts = mod.trainable() if hasattr(mod, "trainable") else {}
+    facts = mod.trainable()
     axes = _tensor_axes(mod)
     bias_names = set() if bias_part is None else set(_tensor_axes(bias_part))
     for name, shape, _stride, dtype, _device, requires_grad in problem.mod_tensors:
@@ -162,14 +162,14 @@ def _key_tail_refusal(problem: Any, ver: Optional[int] = None) -> Optional[str]:
 
 def _runs_as_band(score_part: Any, problem: Any) -> bool:
     """The non-bias part is a causal mask the lowering runs as cuDNN's own band (no callback)."""
-    native = getattr(score_part, "native_band", None)
+    native = None if score_part is None else score_part.native_band
     band = problem.spec.band
     return native is not None and not problem.spec.padding and (band is None or band == Band(*native))
 
 
 def _tensor_axes(mod: Any) -> dict:
     """{tensor parameter name: the index axes its reads depend on} of a traced mod ({} otherwise)."""
-    root = getattr(mod, "root", None)
+    root = None if mod is None else mod.root
     if root is None:
         return {}
     from score_mods import expr

@@ -83,7 +83,7 @@ def _trains_extras(mod: Any, sinks: Optional[torch.Tensor]) -> bool:
     """Gradients other than dq, dk, dv asked for (score_mod tables, sinks): not served here."""
     if sinks is not None and sinks.requires_grad:
         return True
-    tensors = mod.tensors() if hasattr(mod, "tensors") else {}
+    tensors = {} if mod is None else mod.tensors()
     return any(t.requires_grad for t in tensors.values())
 
 
@@ -273,7 +273,7 @@ class BandChunks(torch.autograd.Function):
                 value: torch.Tensor):
         out, lse = _forward(call, query, key, value, mod, sinks)
         ctx.call, ctx.mod, ctx.sinks = call, mod, sinks
-        ctx.mod_values, ctx.mod_versions = getattr(mod, "_values", None), tensor_versions(mod)
+        ctx.mod_values, ctx.mod_versions = None if mod is None else mod.bound_values, tensor_versions(mod)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled (B, H, Sq) gradient for lse per backward

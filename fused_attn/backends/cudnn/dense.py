@@ -124,24 +124,23 @@ class DenseRunner(PaddedKeysBackward):
             ops = {f"sm:{k}": t for k, t in ops.items()}
             ops["attn_scale"] = L.attn_scale(self.bwd_lowering, mod, self.static.scale, self.scale)
             return ops
-        memos = getattr(mod, "__dict__", {}).get("_runner_operands")
+        memos = None if mod is None else mod.backend_memo().setdefault("dense_operands", {})
         memo = None if memos is None else memos.get(self._memo_token)
-        if memo is not None and memo[0] is getattr(mod, "_operands", None):
+        if memo is not None and memo[0] is mod.bound_values:
             return dict(memo[1])
         ops = L.mod_operands(self.lowering, mod, has_lengths=self.padding, device=self.device)
         ops = {f"sm:{k}": t for k, t in ops.items()}
         ops["attn_scale"] = L.attn_scale(self.lowering, mod, self.static.scale, self.scale)
-        source = getattr(mod, "_operands", None)
-        if source is not None and not getattr(mod, "needs_dims", False):
-            # A traced mod caches its operands (scalar inputs and tensor views: in-place tensor
-            # edits show through) until its values change in place, which replaces that cache:
-            # the same object with the same cache binds the same operands. Materialized operands
-            # are recomputed per call, so those mods are not memoized. The memo lives on the mod
-            # (a few runners each): it ends with the mod, so no runner keeps a call's tensors.
-            memos = mod.__dict__.setdefault("_runner_operands", {})
+        if memos is not None and mod.root is not None and not mod.needs_dims:
+            # A traced mod's operands (scalar inputs and tensor views: in-place tensor edits show
+            # through) stay valid until its values change in place, which replaces its
+            # `bound_values`: the same object with the same values binds the same operands.
+            # Materialized operands are recomputed per call, so those mods are not memoized. The
+            # memo lives on the mod (a few runners each): it ends with the mod, so no runner keeps
+            # a call's tensors.
             if len(memos) >= 8:
                 memos.clear()
-            memos[self._memo_token] = (source, dict(ops))
+            memos[self._memo_token] = (mod.bound_values, dict(ops))
         return ops
 
     def grad_inputs(self, mod: Any, sinks: Optional[torch.Tensor]) -> tuple:

@@ -243,7 +243,7 @@ def _common_kwargs(b: _Builder, score_mod: Any, operand_templates: Dict[str, tor
         kw["use_padding_mask"] = score_mod is None
     if score_mod is not None:
         operands = {n: b.tensor_like(f"sm:{n}", t) for n, t in operand_templates.items()}
-        if getattr(score_mod, "uses_lengths", False) and seq_q is not None:
+        if score_mod is not None and score_mod.uses_lengths and seq_q is not None:
             operands["q_len"], operands["kv_len"] = seq_q, seq_kv
         memo: Dict[Any, Any] = {}
         guard = _input_guard(key, cudnn)

@@ -76,14 +76,14 @@ def split(mod: Any) -> Tuple[Any, Any]:
     on the mod per float values: a module's mod updated in place gets a fresh split, a repeated
     call reuses it (and its cached operands). The memo lives and dies with the mod (no
     process-wide cache keeps a call's tensors). Other mods: (mod, None)."""
-    if not hasattr(mod, "split_additive_bias"):
+    if mod is None or mod.root is None:
         return mod, None
-    values = tuple(mod.scalars().values())
-    hit = mod.__dict__.get("_split_memo")
+    values, memo = tuple(mod.scalars().values()), mod.backend_memo()
+    hit = memo.get("split_additive_bias")
     if hit is not None and hit[0] == values:
         return hit[1]
     parts = mod.split_additive_bias()
-    mod.__dict__["_split_memo"] = (values, parts)
+    memo["split_additive_bias"] = (values, parts)
     return parts
 
 
@@ -97,7 +97,7 @@ def bias_mode(mod: Any, trained: frozenset) -> Optional[str]:
         return None
     if _view_param(bias_part) is not None:
         return "view"
-    facts = mod.trainable() if hasattr(mod, "trainable") else {}
+    facts = mod.trainable()
     if any(name in trained and fact.floating and fact.bias_only for name, fact in facts.items()):
         return "dense"
     return None
@@ -144,13 +144,13 @@ def plan_lowering(spec: Any, mod: Any, dims: Tuple[int, int, int, int], has_leng
     sq, skv = dims[2], dims[3]
     bias = None
     if mod is not None:
-        native = getattr(mod, "native_band", None)
+        native = None if mod is None else mod.native_band
         if native is not None and (band is None or band == Band(*native)) and not padding:
             return Lowering(_normalized_band(Band(*native), sq, skv), False, None, None, "", {}, None, dims)
         bias = bias_mode(mod, trained)
         if bias is not None:
             mod = split(mod)[0]
-            native = None if mod is None else getattr(mod, "native_band", None)
+            native = None if mod is None else mod.native_band
             if native is not None and (band is None or band == Band(*native)) and not padding:
                 # bias + a causal mask: cuDNN's band next to its bias input, no score_mod callback
                 return Lowering(_normalized_band(Band(*native), sq, skv), False, None, None, "", {}, bias, dims)
@@ -169,7 +169,7 @@ def plan_lowering(spec: Any, mod: Any, dims: Tuple[int, int, int, int], has_leng
 
 
 def _operands_of(mod: Any, dims: Tuple[int, int, int, int], device: Any) -> Dict[str, torch.Tensor]:
-    if getattr(mod, "needs_dims", False):
+    if mod is not None and mod.needs_dims:
         return dict(mod.cudnn_operands(dims, device=device))
     return dict(mod.cudnn_operands())
 

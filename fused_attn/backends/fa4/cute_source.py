@@ -340,9 +340,8 @@ def params_of(root: Node) -> Tuple[str, ...]:
 
 def source_for(mod: object) -> Optional[Source]:
     """The Source of a traced mod (`root`, `specs`, `tensors()`), or None for other mods."""
-    root = getattr(mod, "root", None)
+    root = mod.root
     if root is None:
         return None
     tensors = mod.tensors()
-    return emit(root, tables_of(root, tensors), params_of(root), getattr(mod, "specs", {}),
-                getattr(mod, "base_name", "score_mod"))
+    return emit(root, tables_of(root, tensors), params_of(root), mod.specs, mod.base_name)

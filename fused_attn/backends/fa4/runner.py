@@ -98,7 +98,7 @@ class Fa4Runner:
         if self.fns is not None:
             source = self.plan.source
             tensors = mod.tensors()
-            values = mod.scalars_typed() if hasattr(mod, "scalars_typed") else mod.scalars()
+            values = mod.scalars_typed()
             args["aux_tensors"] = [_aux_tensor(tensors[n]) for n in source.tensors] or None
             args["aux_scalars"] = tuple(_scalar(values[n]) for n in source.scalars) or None
         return args

@@ -84,7 +84,7 @@ def decide(problem: Any, major: int) -> Union[Plan, str]:
     mod = spec.score_mod
     if mod is None:
         return Plan(band, False, None, sinks)
-    native = getattr(mod, "native_band", None)
+    native = mod.native_band
     if native is not None:
         if band is not None and band != Band(*native):
             return "a library mask score_mod next to a different attn_mask_type band"
@@ -96,8 +96,8 @@ def decide(problem: Any, major: int) -> Union[Plan, str]:
     # the library's softcap runs as generated CuTe too (its cap an aux scalar): FA4's own softcap
     # argument builds and hashes a fresh score_mod closure per call (measured on an H200: 1.68 ms of
     # host time per fwd+bwd step against 1.28 for FA4's plain call)
-    if getattr(mod, "root", None) is None:
-        return f"score_mod {getattr(mod, 'name', mod)!r} is not a traced mod (raw cuDNN callbacks are cuDNN graph code)"
+    if mod.root is None:
+        return f"score_mod {mod.name!r} is not a traced mod (raw cuDNN callbacks are cuDNN graph code)"
     try:
         source = cute_source.source_for(mod)
     except cute_source.Unsupported as exc:
