@@ -32,7 +32,7 @@ from .memo import BoundedMemo, capturing
 from . import extensions
 from .plan import Varlen
 from .spec import loaded_mod, resolve_spec, stored_mod
-from .validation import check_window, keyable_call
+from .validation import check_gqa, check_ranked, check_window, keyable_call
 
 __all__ = ["doc_packed_attn", "doc_cu_seqlens", "check_doc_boundaries"]
 
@@ -156,11 +156,7 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 
 def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have shape (B, S, H, D) (4 dims), got shape {tuple(t.shape)}")
+    check_ranked((("query", query), ("key", key), ("value", value)), "BSHD")
     if key.shape[:3] != value.shape[:3] or query.shape[:2] != key.shape[:2]:
         raise ValueError(
             "query, key and value must share (B, S) and key/value must share H_kv, got "
@@ -168,17 +164,7 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enab
         )
     if query.shape[3] != key.shape[3]:
         raise ValueError(f"query and key must have the same head dim, got {query.shape[3]} and {key.shape[3]}")
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
-    h_q, h_kv = query.shape[2], key.shape[2]
-    if not enable_gqa and h_q != h_kv:
-        raise ValueError(
-            f"query and key/value must have the same number of heads, got H={h_q} and H_kv={h_kv}; "
-            "pass enable_gqa=True for grouped-query attention"
-        )
-    if enable_gqa and (h_kv == 0 or h_q % h_kv != 0):
-        raise ValueError(f"with enable_gqa=True, the number of query heads must be a multiple of kv heads, got "
-                         f"H={h_q} and H_kv={h_kv}")
+    check_gqa(query.shape[2], key.shape[2], enable_gqa, q_heads="H")
 
 
 def _mask(is_causal: bool, window_size: object) -> Tuple[str, Optional[Tuple[int, int]]]:

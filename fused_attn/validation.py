@@ -135,6 +135,31 @@ def check_qkv(query: Any, key: Any, value: Any, qkv_format: str) -> None:
             raise ValueError(f"{name} must have a head dim >= 1, got shape {tuple(t.shape)}")
 
 
+def check_ranked(tensors: Sequence[Tuple[str, Any]], dims: str) -> None:
+    """Each (name, tensor) must be a torch.Tensor of shape `dims`, one letter a dim ("THD": (T, H, D))."""
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != len(dims):
+            raise ValueError(f"{name} must have shape ({', '.join(dims)}) ({len(dims)} dims), got shape "
+                             f"{tuple(t.shape)}")
+
+
+def check_gqa(h_q: int, h_kv: int, enable_gqa: Any, q_heads: str = "H_q") -> None:
+    """torch's head rule: h_q != h_kv needs enable_gqa=True and h_q % h_kv == 0 (q_heads: how
+    the message names the query heads)."""
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
+    if not enable_gqa and h_q != h_kv:
+        raise ValueError(
+            f"query and key/value must have the same number of heads, got {q_heads}={h_q} and H_kv={h_kv}; "
+            "pass enable_gqa=True for grouped-query attention"
+        )
+    if enable_gqa and (h_kv == 0 or h_q % h_kv != 0):
+        raise ValueError(f"with enable_gqa=True, the number of query heads must be a multiple of kv heads, got "
+                         f"{q_heads}={h_q} and H_kv={h_kv}")
+
+
 def check_sinks(softmax_type: str, sinks: Any, heads: int, device: torch.device) -> bool:
     """softmax_type "learnable" needs sinks: a floating (H,) tensor on the query's device; the
     other types take none. Returns whether the call has a sink logit per head."""

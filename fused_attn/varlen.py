@@ -37,7 +37,7 @@ from .memo import BoundedMemo
 from .plan import Varlen
 from .problem import Band
 from .spec import AttentionSpec, loaded_mod, resolve_spec, stored_mod
-from .validation import check_window, keyable_call
+from .validation import check_gqa, check_ranked, check_window, keyable_call
 
 __all__ = ["AuxRequest", "varlen_attn", "varlen_attn_out", "doc_packed_attn"]
 
@@ -69,26 +69,12 @@ def _check_max(name: str, value: object) -> int:
 
 def _check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> None:
     """torch's rule: mismatched head counts need enable_gqa=True and H_q % H_kv == 0."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must have shape (T, H, D) (3 dims), got shape {tuple(t.shape)}")
+    check_ranked((("query", query), ("key", key), ("value", value)), "THD")
     if key.shape[:2] != value.shape[:2]:
         raise ValueError(
             f"key and value must agree on (T_k, H_kv), got key {tuple(key.shape)} and value {tuple(value.shape)}"
         )
-    h_q, h_kv = query.shape[1], key.shape[1]
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
-    if not enable_gqa and h_q != h_kv:
-        raise ValueError(
-            f"query and key/value must have the same number of heads, got H_q={h_q} and H_kv={h_kv}; "
-            "pass enable_gqa=True for grouped-query attention"
-        )
-    if enable_gqa and (h_kv == 0 or h_q % h_kv != 0):
-        raise ValueError(f"with enable_gqa=True, the number of query heads must be a multiple of kv heads, got "
-                         f"H_q={h_q} and H_kv={h_kv}")
+    check_gqa(query.shape[1], key.shape[1], enable_gqa)
 
 
 def _spec(left: int, right: int, same_lengths: bool, scale: Optional[float], score_mod: object,

@@ -24,7 +24,7 @@ backward: an in-place update in between raises torch's "modified by an inplace o
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Optional, Tuple
 
 import torch
 
@@ -225,6 +225,13 @@ def as_score_mod(obj: Any, *, tensors=None, bprop=None, bprop_tensors=None, cach
     return mod
 
 
+def _of_parts(flag: str, combine: Callable[[Iterable[bool]], bool], optional: bool = False) -> property:
+    """A ChainMod flag: `combine` (any / all) of its parts' `flag` (optional: False for a part without it)."""
+    if optional:
+        return property(lambda self: combine(getattr(p, flag, False) for p in self.parts))
+    return property(lambda self: combine(getattr(p, flag) for p in self.parts))
+
+
 class ChainMod(ScoreMod):
     """Several ScoreMods applied left to right without fusing (used when a part is a raw callback)."""
 
@@ -238,25 +245,12 @@ class ChainMod(ScoreMod):
     def cache_key(self) -> Hashable:
         return ("chain",) + tuple(p.cache_key for p in self.parts)
 
-    @property
-    def uses_lengths(self) -> bool:
-        return any(p.uses_lengths for p in self.parts)
-
-    @property
-    def has_reference(self) -> bool:
-        return all(p.has_reference for p in self.parts)
-
-    @property
-    def has_backward(self) -> bool:
-        return all(p.has_backward for p in self.parts)
-
-    @property
-    def irregular_mask(self) -> bool:
-        return any(p.irregular_mask for p in self.parts)
-
-    @property
-    def needs_host_lengths(self) -> bool:
-        return any(getattr(p, "needs_host_lengths", False) for p in self.parts)
+    uses_lengths = _of_parts("uses_lengths", any)
+    has_reference = _of_parts("has_reference", all)
+    has_backward = _of_parts("has_backward", all)
+    irregular_mask = _of_parts("irregular_mask", any)
+    needs_host_lengths = _of_parts("needs_host_lengths", any, optional=True)
+    needs_dims = _of_parts("needs_dims", any, optional=True)
 
     def check(self, **kw) -> None:
         for p in self.parts:
@@ -274,10 +268,6 @@ class ChainMod(ScoreMod):
     def structure_only(self) -> "ChainMod":
         parts = tuple(p.structure_only() for p in self.parts)
         return self if all(a is b for a, b in zip(parts, self.parts)) else ChainMod(self.name, parts)
-
-    @property
-    def needs_dims(self) -> bool:
-        return any(getattr(p, "needs_dims", False) for p in self.parts)
 
     @property
     def cudnn_unsupported(self) -> Optional[str]:

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..static import NO_VARLEN
 from . import reference_math
 from .reference_math import AttentionProblem, acc_dtype
 
@@ -65,11 +66,8 @@ class ReferenceRunner:
             q, k, v = (t.permute(self.perm) for t in (q, k, v))
         return AttentionProblem(
             query=q, key=k, value=v, qkv_format=spec.qkv_format, scale=st.scale, band=spec.band,
-            seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
-            cu_seqlens_q=varlen.cu_seqlens_q if spec.is_packed else None,
-            cu_seqlens_kv=varlen.cu_seqlens_kv if spec.is_packed else None,
-            cu_seqlens_q_padded=varlen.cu_seqlens_q_padded, cu_seqlens_kv_padded=varlen.cu_seqlens_kv_padded,
-            max_seqlen_q=st.seqlen_q, max_seqlen_kv=st.seqlen_kv, score_mod=mod, return_lse=True,
+            seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, varlen=varlen if spec.is_packed else NO_VARLEN,
+            score_mod=mod, return_lse=True,
             deterministic=spec.deterministic, sinks=sinks, dropout=dropout)
 
     def grad_inputs(self, mod, sinks) -> tuple:

@@ -9,29 +9,20 @@ from typing import Any, Optional, Tuple
 import torch
 
 from . import reference
+from .recomputing import RecomputingEngine
 
 __all__ = ["ENGINE", "ReferenceEngine"]
 
 
-class ReferenceEngine:
+class ReferenceEngine(RecomputingEngine):
     name = "reference"
     auto_devices: Tuple[str, ...] = ("cpu", "cuda", "meta", "mps", "xpu", "hpu", "privateuseone")
-
-    def unavailable(self) -> Optional[str]:
-        return None
 
     def refusal(self, problem: Any) -> Optional[str]:
         return reference.refusal(problem)
 
     def make_runner(self, problem: Any) -> Any:
         return reference.make_runner(problem)
-
-    def saved_shape(self, make_problem: Any, query_rows: int) -> Tuple[int, ...]:
-        return (0,)  # the reference recomputes its forward in the backward
-
-    def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor:
-        """Nothing: the reference recomputes its forward in the backward."""
-        return query.new_empty((0,), dtype=torch.float32)
 
     def traced_refusal(self, device_type: str, dtype: torch.dtype, head_dim: int, head_dim_v: int) -> Optional[str]:
         return None

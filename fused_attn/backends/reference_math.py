@@ -28,6 +28,7 @@ import torch
 
 from ..layouts import from_logical
 from ..problem import Band
+from ..static import NO_VARLEN, Varlen
 
 if TYPE_CHECKING:  # pragma: no cover
     from score_mods.base import ScoreMod
@@ -45,14 +46,14 @@ class AttentionProblem:
 
     Dense formats (bshd, sbhd, bhsd): query (B, H, Sq, D), key (B, Hkv, Skv, D),
     value (B, Hkv, Skv, Dv), logical views of the caller's tensors (strides keep the layout).
-    thd: query (Tq, H, D), key (Tkv, Hkv, D), value (Tkv, Hkv, Dv) plus cu_seqlens_*.
+    thd: query (Tq, H, D), key (Tkv, Hkv, D), value (Tkv, Hkv, Dv) plus varlen's cu_seqlens_*.
 
     Per-sequence lengths:
       * dense + padding mask types: seqlens_q / seqlens_kv (B,) int32 on the query's device;
         positions past a sequence's length produce output 0 and get no gradient.
-      * thd: cu_seqlens_q / cu_seqlens_kv (B+1,) int32 give the lengths; the token offset of
-        sequence b is cu_seqlens_*_padded[b] when given (gaps between sequences), else
-        cu_seqlens_*[b]. max_seqlen_q / max_seqlen_kv are host ints >= every length.
+      * thd: varlen (the call's `Varlen`): cu_seqlens_q / cu_seqlens_kv (B+1,) int32 give the
+        lengths; the token offset of sequence b is cu_seqlens_*_padded[b] when given (gaps
+        between sequences), else cu_seqlens_*[b]. Dense problems ignore it.
 
     sinks: (H,) logits of one extra key per head with no value (attention sinks), or None.
     fixed_lse: a given log-sum-exp (B, H, Sq) / (H, Tq) — the reference then computes the
@@ -75,12 +76,7 @@ class AttentionProblem:
     band: Optional[Band] = None
     seqlens_q: Optional[torch.Tensor] = None
     seqlens_kv: Optional[torch.Tensor] = None
-    cu_seqlens_q: Optional[torch.Tensor] = None
-    cu_seqlens_kv: Optional[torch.Tensor] = None
-    cu_seqlens_q_padded: Optional[torch.Tensor] = None
-    cu_seqlens_kv_padded: Optional[torch.Tensor] = None
-    max_seqlen_q: Optional[int] = None
-    max_seqlen_kv: Optional[int] = None
+    varlen: Varlen = NO_VARLEN
     score_mod: Optional["ScoreMod"] = None
     return_lse: bool = False
     deterministic: bool = False
@@ -252,9 +248,10 @@ def _packed(problem: AttentionProblem) -> Tuple[torch.Tensor, torch.Tensor]:
     q, k, v = problem.query, problem.key, problem.value
     dev, acc = q.device, acc_dtype(q.dtype)
     tq, heads, dv = q.shape[0], q.shape[1], v.shape[2]
-    rows = [problem.cu_seqlens_q, problem.cu_seqlens_kv,
-            problem.cu_seqlens_q if problem.cu_seqlens_q_padded is None else problem.cu_seqlens_q_padded,
-            problem.cu_seqlens_kv if problem.cu_seqlens_kv_padded is None else problem.cu_seqlens_kv_padded]
+    lengths = problem.varlen
+    rows = [lengths.cu_seqlens_q, lengths.cu_seqlens_kv,
+            lengths.cu_seqlens_q if lengths.cu_seqlens_q_padded is None else lengths.cu_seqlens_q_padded,
+            lengths.cu_seqlens_kv if lengths.cu_seqlens_kv_padded is None else lengths.cu_seqlens_kv_padded]
     cu_q, cu_kv, off_q, off_kv = torch.stack([r.to(torch.int64) for r in rows]).tolist()
     outs: List[torch.Tensor] = []
     lses: List[torch.Tensor] = []

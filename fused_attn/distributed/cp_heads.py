@@ -109,28 +109,20 @@ class _Exchange:
         return torch.cat(got.unbind(0), dim=self.hd)
 
 
-class _ToHeads(torch.autograd.Function):
+class _Exchanged(torch.autograd.Function):
+    """`ex.to_heads(t)` (to_heads=True) or `ex.to_sequence(t)`; the backward runs the other way."""
+
     @staticmethod
-    def forward(ctx, t: torch.Tensor, ex: _Exchange) -> torch.Tensor:
-        ctx.ex = ex
-        return ex.to_heads(t)
+    def forward(ctx, t: torch.Tensor, ex: _Exchange, to_heads: bool) -> torch.Tensor:
+        ctx.ex, ctx.to_heads = ex, to_heads
+        return ex.to_heads(t) if to_heads else ex.to_sequence(t)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        with failure_note("all_to_all", "backward", ctx.ex.lay.rank, ctx.ex.n):
-            return ctx.ex.to_sequence(g.contiguous()), None
-
-
-class _ToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, ex: _Exchange) -> torch.Tensor:
-        ctx.ex = ex
-        return ex.to_sequence(t)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        with failure_note("all_to_all", "backward", ctx.ex.lay.rank, ctx.ex.n):
-            return ctx.ex.to_heads(g.contiguous()), None
+        ex = ctx.ex
+        with failure_note("all_to_all", "backward", ex.lay.rank, ex.n):
+            g = g.contiguous()
+            return (ex.to_sequence(g) if ctx.to_heads else ex.to_heads(g)), None, None
 
 
 def _exchanges(query: torch.Tensor, key: torch.Tensor, fmt: str, layout: str, group: Any, n: int, rank: int,
@@ -175,13 +167,13 @@ def heads_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if why is not None:
         raise NotImplementedError(why)
     ex_q, ex_kv = _exchanges(query, key, fmt, layout, group, n, rank, varlen)
-    q, k, v = _ToHeads.apply(query, ex_q), _ToHeads.apply(key, ex_kv), _ToHeads.apply(value, ex_kv)
+    q, k, v = (_Exchanged.apply(t, ex, True) for t, ex in ((query, ex_q), (key, ex_kv), (value, ex_kv)))
     call = dict(kwargs)
     call.update({k_: val for k_, val in varlen.items() if val is not None})
     call["score_mod"] = _local_mod(mod, group, rank, n, query.shape[hd])
     res = functional.dot_product_attention(q, k, v, return_lse=return_lse, **call)
     out, lse = res if return_lse else (res, None)
-    out = _ToSequence.apply(out.contiguous(), ex_q)
+    out = _Exchanged.apply(out.contiguous(), ex_q, False)
     if not return_lse:
         return out
     return out, _lse_to_sequence(lse.detach().float(), ex_q, fmt)

@@ -101,18 +101,21 @@ def morton_natten(canvas_w: int, canvas_h: int, kernel_w: int, kernel_h: int) ->
     """NATTEN on a Morton (Z-order) layout (``generate_morton_natten``): token index = the bits of
     col (even positions) interleaved with the bits of row (odd positions). Codes that decode
     outside the canvas (non-power-of-two canvases leave holes) are never attended. The number
-    of bits decoded follows the canvas; all sizes are structure.
+    of bits decoded follows the canvas; all sizes are structure. On a 4 x 2 canvas the Morton
+    order is the tile-major order of 2 x 2 tiles: the mask is ``tiled_natten(4, 2, 3, 1, 2, 2)``'s
+    (pictured there). On the 3 x 2 canvas below, codes 5 and 7 decode to column 3, outside the
+    canvas: no query attends them.
 
-    Mask of ``morton_natten(4, 2, 3, 1)`` (Sq = 8, Skv = 8):
+    Mask of ``morton_natten(3, 2, 3, 1)`` (Sq = 8, Skv = 8):
 
         x x . . x . . .
         x x . . x . . .
         . . x x . . x .
         . . x x . . x .
-        . x . . x x . .
-        . x . . x x . .
-        . . . x . . x x
-        . . . x . . x x
+        x x . . x . . .
+        x x . . x . . .
+        . . x x . . x .
+        . . x x . . x .
     """
     fn = "morton_natten"
     cw, ch, kw, kh = (_int(fn, n, v) for n, v in

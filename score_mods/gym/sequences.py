@@ -32,13 +32,13 @@ def document(offsets: IntSeq, inner: Optional[Predicate] = None) -> ScoreMod:
     inner: a condition written in the language, e.g. ``lambda b, h, q, kv: kv <= q``. The
     per-token document id and start are int tensor parameters indexed by q_idx / kv_idx.
 
-    Mask of ``document([0, 2, 5, 6], inner=lambda b, h, q, kv: kv <= q)`` (Sq = 6, Skv = 6):
+    Mask of ``document([0, 2, 5, 6], inner=lambda b, h, q, kv: (kv <= q) & (kv >= q - 1))`` (Sq = 6, Skv = 6):
 
         x . . . . .
         x x . . . .
         . . x . . .
         . . x x . .
-        . . x x x .
+        . . . x x .
         . . . . . x
     """
     ids, starts = _doc_tables("document", offsets)
@@ -61,6 +61,7 @@ def document(offsets: IntSeq, inner: Optional[Predicate] = None) -> ScoreMod:
 def document_causal(offsets: IntSeq) -> ScoreMod:
     """Causal packed documents (``generate_packed_causal_doc_mask_mod``): start(i) <= j <= i, one
     contiguous key interval per query; doc_start is an int tensor parameter indexed by q_idx.
+    The mask of ``document(offsets, inner=lambda b, h, q, kv: kv <= q)``, without the doc_ids table.
 
     Mask of ``document_causal([0, 2, 5, 6])`` (Sq = 6, Skv = 6):
 

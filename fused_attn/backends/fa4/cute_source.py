@@ -48,6 +48,16 @@ _TANH = "cute.math.tanh({}, fastmath=True)"
 _BITS = {"bitand": "&", "bitor": "|", "bitxor": "^"}
 _LOGIC = {"and": "&", "or": "|", "xor": "^"}
 
+#: A value of one kind (from, to) written as another: "f" Float32, "i" Int32, "b" bool; {} is its name.
+_CONVERT = {
+    ("i", "f"): "{}.to(cutlass.Float32)",
+    ("b", "f"): "cute.where({}, cute.full_like(score, 1.0), cute.full_like(score, 0.0))",
+    ("f", "i"): "{}.to(cutlass.Int32)",
+    ("b", "i"): "cute.where({}, cute.full_like(q_idx, 1), cute.full_like(q_idx, 0))",
+    ("f", "b"): "({} != cute.full_like(score, 0.0))",
+    ("i", "b"): "({} != cute.full_like(q_idx, 0))",
+}
+
 
 class Unsupported(Exception):
     """The mod has no exact CuTe form here; the message says which part."""
@@ -98,31 +108,19 @@ class _Writer:
         self.lines.append(f"    {name} = {text}")
         return name, kind
 
+    def as_kind(self, value: Tuple[str, str], kind: str) -> str:
+        """The expression of `value` (name, kind) as `kind`: "f" Float32, "i" Int32 or "b" bool."""
+        name, have = value
+        return name if have == kind else _CONVERT[have, kind].format(name)
+
     def f(self, value: Tuple[str, str]) -> str:
-        name, kind = value
-        if kind == "f":
-            return name
-        if kind == "i":
-            return f"{name}.to(cutlass.Float32)"
-        return f"cute.where({name}, cute.full_like(score, 1.0), cute.full_like(score, 0.0))"
+        return self.as_kind(value, "f")
 
     def i(self, value: Tuple[str, str]) -> str:
-        name, kind = value
-        if kind == "i":
-            return name
-        if kind == "f":
-            return f"{name}.to(cutlass.Int32)"
-        return f"cute.where({name}, cute.full_like(q_idx, 1), cute.full_like(q_idx, 0))"
+        return self.as_kind(value, "i")
 
     def b(self, value: Tuple[str, str]) -> str:
-        name, kind = value
-        if kind == "b":
-            return name
-        zero = "cute.full_like(score, 0.0)" if kind == "f" else "cute.full_like(q_idx, 0)"
-        return f"({name} != {zero})"
-
-    def as_kind(self, value: Tuple[str, str], kind: str) -> str:
-        return {"f": self.f, "i": self.i, "b": self.b}[kind](value)
+        return self.as_kind(value, "b")
 
     # -- the nodes
     def node(self, n: Node) -> Tuple[str, str]:
