@@ -220,7 +220,8 @@ def test_score_dependent_gather_is_refused_on_cudnn():
 def test_query_axis_inputs_train_on_cudnn_and_key_axis_inputs_are_refused(dtype):
     """A document mask written with per-query bounds (kv_idx in [lo[q_idx], hi[q_idx])) and a
     per-query bias train on cuDNN within the rule; a per-key term (w[kv_idx]) is refused with the
-    reason under backend="cudnn" and falls back with a FallbackWarning under "auto"."""
+    reason under backend="cudnn"; under "auto" it runs on flash-attn-4 where that is installed (its
+    answer checked against float64, gradients included), else falls back with a FallbackWarning."""
     fused_attn = pytest.importorskip("fused_attn")
     from helpers.mods import axis_bias_mods
     from fused_attn import testing
