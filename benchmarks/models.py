@@ -5,7 +5,9 @@
 Random-initialised Llama-, Gemma-2- and gpt-oss-style models (8 layers, hidden 1024, 16 query /
 4 key-value heads of dim 64, MLP 2816 (gpt-oss: 4 experts of 1408, top 2), vocab 32000: 170-260M
 parameters) train in bf16 (forward, backward, AdamW step) with each `attn_implementation`:
-fused_attn, and transformers' sdpa, flex_attention and eager where the model supports them.
+fused_attn, and transformers' sdpa, flex_attention and eager where the model supports them; on a
+GPU where flash-attn-4 runs also fused_attn with its FA4 engine forced ("fused_attn_fa4") and
+transformers' own "flash_attention_4" where this transformers has it.
 
 Per model, first the correctness check: the logits of one batch (B1 S1024; quick: S512) from each
 implementation in bf16 against eager on an fp32 copy of the weights, within the project's rule
@@ -43,6 +45,27 @@ from .runner import SuiteResult
 
 BENCH_FAMILIES = ("llama", "gemma2", "gpt_oss")
 IMPLS = ("fused_attn", "sdpa", "flex_attention", "eager")
+#: fused_attn with its flash-attn-4 engine forced, and transformers' own flash-attn-4 attention
+FA4_OURS, FA4_PEER = "fused_attn_fa4", "flash_attention_4"
+
+
+def default_impls(device: torch.device) -> Tuple[str, ...]:
+    """IMPLS, plus on a GPU where flash-attn-4 runs: fused_attn on its FA4 engine (FA4_OURS) and,
+    where this transformers has it, transformers' FA4 attention (FA4_PEER)."""
+    if device.type != "cuda":
+        return IMPLS
+    from fused_attn.backends.fa4 import install
+
+    if install.unavailable() is not None or install.arch_refusal(device) is not None:
+        return IMPLS
+    from transformers import AttentionInterface
+
+    peer = (FA4_PEER,) if FA4_PEER in AttentionInterface._global_mapping else ()
+    return IMPLS[:1] + (FA4_OURS,) + IMPLS[1:] + peer
+
+
+def _ours(impl: str) -> bool:
+    return impl in ("fused_attn", FA4_OURS)
 
 
 def _tokens(batch: Dict[str, object]) -> int:
@@ -50,15 +73,18 @@ def _tokens(batch: Dict[str, object]) -> int:
 
 
 def run_model(family: str, quick: bool, device: torch.device, *, size: str = "bench",
-              impls: Sequence[str] = IMPLS, shapes: Optional[Sequence[Tuple[str, int, int]]] = None,
+              impls: Optional[Sequence[str]] = None, shapes: Optional[Sequence[Tuple[str, int, int]]] = None,
               curve_label: str = "B4 S2048", curve_steps: Optional[int] = None, timed_steps: int = 10,
               warmup: int = 3, check_len: Optional[int] = None, rounds: int = 3) -> SuiteResult:
-    """One model family: the logits check, then per batch shape `rounds` training runs of every
-    impl in turn (losses, curves and memory from the first; step ms: the best round's median);
+    """One model family (impls: default_impls(device) when None): the logits check, then per batch
+    shape `rounds` training runs of every impl in turn (losses, curves and memory from the first; step ms: the best round's median);
     the loss-curve rows (suite "models_loss") follow the timing rows."""
     from fused_attn.integrations.transformers import register
 
     register()
+    impls = tuple(impls) if impls is not None else default_impls(device)
+    if FA4_OURS in impls:
+        register(FA4_OURS, backend="fa4")
     # a fresh torch.compile cache per family: transformers compiles flex_attention once per process,
     # and the shapes and score_mods of earlier families count against dynamo's recompile limit, past
     # which flex_attention runs uncompiled (one H200 run: Gemma 2's packed flex step 450 ms of GPU and
@@ -78,7 +104,7 @@ def run_model(family: str, quick: bool, device: torch.device, *, size: str = "be
     check_len = check_len or (512 if quick else 1024)
     checks = check_logits(model, impls, data.dense_batch(1, check_len, device), family)
     for impl, (text, ok) in checks.items():
-        if impl == "fused_attn" and not ok:
+        if _ours(impl) and not ok:
             result.failures.append(f"models / {family}: fused_attn logits check: {text}")
     shapes = shapes or (("B2 S4096", 2, 4096), ("B4 S2048", 4, 2048), ("packed 8192", 1, 8192))
     curve_steps = curve_steps or (30 if quick else 200)
@@ -107,8 +133,8 @@ def run_model(family: str, quick: bool, device: torch.device, *, size: str = "be
                                             init_state, min(warmup, steps - 1), device)
                 if failure is not None:
                     rows[impl]["note"] = failure
-                    if impl == "fused_attn" and failure != "OOM":
-                        result.failures.append(f"models / {family} / {label}: fused_attn {failure}")
+                    if _ours(impl) and failure != "OOM":
+                        result.failures.append(f"models / {family} / {label}: {impl} {failure}")
                     live.remove(impl)
                     continue
                 round_ms[impl].append(run["step_ms"])

@@ -1,5 +1,7 @@
 """Per-step costs a training loop feels: wall time per step, GPU time per step, kernels per step
-and host synchronisations per step, for fused_attn and torch's varlen_attn in one run.
+and host synchronisations per step, for fused_attn and torch's varlen_attn in one run (and, where
+flash-attn-4 is installed, FA4's own varlen call and fused_attn with its FA4 engine forced, each
+checked against float64 first).
 
 The step: fwd + bwd of varlen attention over a fresh packed batch (B sequences of random
 lengths, multiples of 64 up to MAX) with H heads of dim D, bf16 — the configuration torch's
@@ -71,6 +73,45 @@ def check_bare(raw, device, causal: bool) -> None:
     got = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), do)), out=out.detach())
     for key, want in expected.items():
         check_tensor(BARE, key, got[key], want, bounds[key])
+
+
+def check_varlen_impl(name: str, fn: Callable, h: int, d: int, device, causal: bool) -> None:
+    """A varlen row's fn(q, k, v, cu_q, cu_k, max_q, max_k) vs the float64 reference on one small
+    packed batch, output and gradients (raises if wrong)."""
+    lengths = [64, 320, 128, 192, 64, 256, 448, 64]
+    q, k, v, do = packed_tensors(sum(lengths), h, d, device, seed=4)
+    expected, bounds = reference_and_bounds(lambda dt: reference_packed(q, k, v, do, lengths, causal, dt), q.dtype)
+    cu = cu_seqlens(lengths, device)
+    out = fn(q, k, v, cu, cu, max(lengths), max(lengths))
+    got = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), do)), out=out.detach())
+    for key, want in expected.items():
+        check_tensor(name, key, got[key], want, bounds[key])
+
+
+FA4_DIRECT, FA4_OURS = "flash_attn_4 varlen (direct)", "fused_attn (fa4 engine)"
+
+
+def fa4_varlen_impls(causal: bool, device) -> Dict[str, Callable]:
+    """flash-attn-4's own varlen call (a peer) and fused_attn with its FA4 engine forced, where
+    flash-attn-4 is installed and runs on this GPU; {} otherwise."""
+    import fused_attn
+    from fused_attn.backends.fa4 import install
+
+    if install.unavailable() is not None or install.arch_refusal(device) is not None:
+        return {}
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    def direct(q, k, v, cq, ck, mq, mk):
+        got = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk,
+                                     causal=causal)
+        return got[0] if isinstance(got, tuple) else got
+
+    def ours(q, k, v, cq, ck, mq, mk):
+        return fused_attn.dot_product_attention(q, k, v, qkv_format="thd", attn_mask_type="causal" if causal else
+                                                "no_mask", cu_seqlens_q=cq, cu_seqlens_kv=ck, max_seqlen_q=mq,
+                                                max_seqlen_kv=mk, backend="fa4")
+
+    return {FA4_OURS: ours, FA4_DIRECT: direct}
 
 
 def _batches(steps: int, n: int, max_len: int, device, seed: int) -> List[tuple]:
@@ -161,6 +202,12 @@ def run_varlen_step(device, quick: bool, *, n: int = N, max_len: int = MAX_LEN, 
         impls[BARE] = lambda q, k, v, cq, *_: BareRaggedFunction.apply(raw, q, k, v, cq)
     except Exception as exc:  # noqa: BLE001 - the floor row is optional; say why it is missing
         result.failures.append(f"varlen step: {BARE}: {type(exc).__name__}: {exc}")
+    for name, fn in fa4_varlen_impls(causal, device).items():
+        try:
+            check_varlen_impl(name, fn, h, d, device, causal)
+            impls[name] = fn
+        except Exception as exc:  # noqa: BLE001 - a row that is wrong or cannot run is reported, not timed
+            result.failures.append(f"varlen step: {name}: {type(exc).__name__}: {exc}")
     impls[FLOOR] = lambda q, k, v, *_: EmptyAutogradFunction.apply(q, k, v)
     config = f"varlen step N{n} random lengths (x64) <= {max_len} H{h} D{d}" + (" causal" if causal else "")
     steps_by_impl = {name: _step_fn(fn, qb, kb, vb, bufs[3]) for name, fn in impls.items()}
@@ -188,7 +235,7 @@ def run_varlen_step(device, quick: bool, *, n: int = N, max_len: int = MAX_LEN, 
                "note": _NOTES.get(name, "warmed up; max_seqlen given; lengths new every step")}
         result.rows.append(row)
         result.defer_profile(f"{config} / {name}", functools.partial(_fill_profile, row, step, batches[:20], device))
-    for peer in ("torch_varlen", BARE):
+    for peer in ("torch_varlen", FA4_DIRECT, FA4_OURS, BARE):
         if peer in wall:
             ours, theirs = wall["fused_attn"], wall[peer]
             result.notes.append(f"varlen train step wall: fused_attn / {peer} = {ours / theirs:.2f}x "

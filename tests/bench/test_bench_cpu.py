@@ -418,3 +418,32 @@ def test_recompile_limit_reports_are_collected():
     finally:
         torch._dynamo.reset()
     assert len(hits) == 1 and "recompile_limit" in hits[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_step_rows_are_checked_against_float64_before_timing(causal):
+    """The gate the varlen step's flash-attn-4 rows pass before they are timed: a right varlen
+    call passes; the other mask, or an output 10% off, is refused."""
+    import fused_attn
+    from benchmarks.steps import check_varlen_impl
+
+    def call(window):
+        return lambda q, k, v, cq, ck, mq, mk: fused_attn.varlen_attn(q, k, v, cq, ck, mq, mk, window_size=window)
+
+    right, other = call((-1, 0)), call((-1, -1))
+    if not causal:
+        right, other = other, right
+    cpu = torch.device("cpu")
+    check_varlen_impl("right", right, 2, 16, cpu, causal)
+    for wrong in (other, lambda *a: right(*a) * 1.1):
+        with pytest.raises(ImplWrongError):
+            check_varlen_impl("wrong", wrong, 2, 16, cpu, causal)
+
+
+def test_fa4_rows_only_where_flash_attn_4_runs():
+    """Without a GPU (or without flash-attn-4) the models and varlen-step suites keep their rows."""
+    from benchmarks.models import IMPLS, default_impls
+    from benchmarks.steps import fa4_varlen_impls
+
+    assert default_impls(torch.device("cpu")) == IMPLS
+    assert fa4_varlen_impls(False, torch.device("cpu")) == {}
