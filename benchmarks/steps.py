@@ -66,20 +66,15 @@ class BareRaggedFunction(torch.autograd.Function):
 
 def check_bare(raw, device, causal: bool) -> None:
     """BareRaggedFunction vs the float64 reference on one small packed batch (raises if wrong)."""
-    lengths = [64, 320, 0, 128, 192, 64, 256, 448][:raw.dims[0]]
-    q, k, v, do = packed_tensors(sum(lengths), raw.dims[1], raw.dims[3], device, seed=3)
-    expected, bounds = reference_and_bounds(lambda dt: reference_packed(q, k, v, do, lengths, causal, dt), q.dtype)
-    out = BareRaggedFunction.apply(raw, q, k, v, cu_seqlens(lengths, device))
-    got = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), do)), out=out.detach())
-    for key, want in expected.items():
-        check_tensor(BARE, key, got[key], want, bounds[key])
+    check_varlen_impl(BARE, lambda q, k, v, cq, *_: BareRaggedFunction.apply(raw, q, k, v, cq), raw.dims[1],
+                      raw.dims[3], device, causal, lengths=[64, 320, 0, 128, 192, 64, 256, 448][:raw.dims[0]], seed=3)
 
 
-def check_varlen_impl(name: str, fn: Callable, h: int, d: int, device, causal: bool) -> None:
+def check_varlen_impl(name: str, fn: Callable, h: int, d: int, device, causal: bool,
+                      lengths: Sequence[int] = (64, 320, 128, 192, 64, 256, 448, 64), seed: int = 4) -> None:
     """A varlen row's fn(q, k, v, cu_q, cu_k, max_q, max_k) vs the float64 reference on one small
-    packed batch, output and gradients (raises if wrong)."""
-    lengths = [64, 320, 128, 192, 64, 256, 448, 64]
-    q, k, v, do = packed_tensors(sum(lengths), h, d, device, seed=4)
+    packed batch of `lengths`, output and gradients (raises if wrong)."""
+    q, k, v, do = packed_tensors(sum(lengths), h, d, device, seed=seed)
     expected, bounds = reference_and_bounds(lambda dt: reference_packed(q, k, v, do, lengths, causal, dt), q.dtype)
     cu = cu_seqlens(lengths, device)
     out = fn(q, k, v, cu, cu, max(lengths), max(lengths))

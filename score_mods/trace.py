@@ -149,7 +149,7 @@ class TracedMod(CudnnLowering, EagerAdapters, ScoreMod):
         post_scale_bias(bias), mod.bind(...)), objects torch.compile only tracks.
         `origin_named(name).stand_in(facts)` turns it back into a mod."""
         tensors = tuple((p, v.dtype, v.dim()) for p, v in self._values.items() if isinstance(v, torch.Tensor))
-        return self.origin_name, (tensors, getattr(self, "native_band", None))
+        return self.origin_name, (tensors, self.native_band)
 
     def stand_in(self, facts: tuple) -> "TracedMod":
         """This mod (an origin) bound to meta tensors of the dtypes and ranks in `facts`, with their
@@ -185,7 +185,7 @@ class TracedMod(CudnnLowering, EagerAdapters, ScoreMod):
     def private_copy(self) -> "TracedMod":
         """A copy that owns its state (for holders that later update values in place)."""
         copy = self._copy(self._values)
-        if getattr(self, "native_band", None) is not None:
+        if self.native_band is not None:
             copy.native_band = self.native_band
         return copy
 
@@ -201,7 +201,7 @@ class TracedMod(CudnnLowering, EagerAdapters, ScoreMod):
         self._operands = None
         self.__dict__.pop("_op_memo", None)
         self._scalar_tensor = other.scalar_tensor().clone()
-        band = getattr(other, "native_band", None)
+        band = other.native_band
         if band is not None:
             self.native_band = band
         else:

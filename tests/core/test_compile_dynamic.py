@@ -49,12 +49,12 @@ def _check_causal(out, q, k, v, cap=None, grad_out=None):
             assert_close(t.grad.transpose(1, 2), e, bd, f"d{name}")
 
 
-@pytest.mark.slow  # the functional twin and test_module_still_checks_heads_under_compile stay quick
-def test_module_one_graph_for_all_lengths_dynamic():
-    gen = torch.Generator().manual_seed(0)
+def _one_graph_for_all_lengths(fn, seed: int) -> None:
+    """fn(q, k, v) (causal bshd attention) compiled with dynamic=True, fullgraph=True: right on
+    every length of LENGTHS, gradients included, from one graph."""
+    gen = torch.Generator().manual_seed(seed)
     cc = CompileCounter()
-    attn = DotProductAttention(H, D, num_gqa_groups=HKV, attn_mask_type="causal", backend="reference")
-    compiled = torch.compile(attn, backend=cc, fullgraph=True, dynamic=True)
+    compiled = torch.compile(fn, backend=cc, fullgraph=True, dynamic=True)
     for s in LENGTHS:
         q, k, v = _qkv(gen, s)
         out = compiled(q, k, v)
@@ -62,6 +62,12 @@ def test_module_one_graph_for_all_lengths_dynamic():
         out.backward(g)
         _check_causal(out, q, k, v, grad_out=g)
     assert cc.frame_count == 1
+
+
+@pytest.mark.slow  # the functional twin and test_module_still_checks_heads_under_compile stay quick
+def test_module_one_graph_for_all_lengths_dynamic():
+    _one_graph_for_all_lengths(DotProductAttention(H, D, num_gqa_groups=HKV, attn_mask_type="causal",
+                                                   backend="reference"), seed=0)
 
 
 def test_module_still_checks_heads_under_compile():
@@ -73,20 +79,10 @@ def test_module_still_checks_heads_under_compile():
 
 
 def test_functional_one_graph_for_all_lengths_dynamic():
-    gen = torch.Generator().manual_seed(1)
-    cc = CompileCounter()
-
     def f(q, k, v):
         return fused_attn.dot_product_attention(q, k, v, attn_mask_type="causal", backend="reference")
 
-    compiled = torch.compile(f, backend=cc, fullgraph=True, dynamic=True)
-    for s in LENGTHS:
-        q, k, v = _qkv(gen, s)
-        out = compiled(q, k, v)
-        g = torch.randn(out.shape, generator=gen)
-        out.backward(g)
-        _check_causal(out, q, k, v, grad_out=g)
-    assert cc.frame_count == 1
+    _one_graph_for_all_lengths(f, seed=1)
 
 
 def test_functional_thd_one_graph_dynamic():

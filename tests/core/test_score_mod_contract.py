@@ -74,30 +74,6 @@ def test_what_the_library_reads_off_a_score_mod_is_declared():
     assert not bad, "undeclared score_mod members or probes:\n" + "\n".join(bad)
 
 
-def test_the_declared_members_have_defaults_for_callback_mods():
-    """Everything the library reads exists on a ScoreMod that implements only the abstract members."""
-
-    class Minimal(ScoreMod):
-        name = "minimal"
-
-        @property
-        def cache_key(self):
-            return ("minimal",)
-
-        def eager(self, score, b, h, q_idx, kv_idx, q_len, kv_len):
-            return score
-
-        def lower_forward(self, graph, score, operands, memo):
-            return score
-
-    mod = Minimal()
-    assert mod.root is None and dict(mod.specs) == {} and mod.native_band is None
-    assert mod.base_name == "minimal" and dict(mod.bound_values) == {} and mod.private_copy() is mod
-    assert mod.trainable() == {} and mod.split_additive_bias() == (mod, None)
-    assert mod.compile_structure() is None and mod.scalar_tensor().shape == (0,)
-    assert mod.backend_memo() is mod.backend_memo() and Minimal().backend_memo() is not mod.backend_memo()
-
-
 class _HalfScores(ScoreMod):
     """score / 2 written against the contract alone (no tracing)."""
 
@@ -112,6 +88,16 @@ class _HalfScores(ScoreMod):
 
     def lower_forward(self, graph, score, operands, memo):
         raise NotImplementedError("no cuDNN lowering in this test")
+
+
+def test_the_declared_members_have_defaults_for_callback_mods():
+    """Everything the library reads exists on a ScoreMod that implements only the abstract members."""
+    mod = _HalfScores()
+    assert mod.root is None and dict(mod.specs) == {} and mod.native_band is None
+    assert mod.base_name == "half_scores" and dict(mod.bound_values) == {} and mod.private_copy() is mod
+    assert mod.trainable() == {} and mod.split_additive_bias() == (mod, None)
+    assert mod.compile_structure() is None and mod.scalar_tensor().shape == (0,)
+    assert mod.backend_memo() is mod.backend_memo() and _HalfScores().backend_memo() is not mod.backend_memo()
 
 
 @pytest.mark.parametrize("entry", ["functional", "module"])

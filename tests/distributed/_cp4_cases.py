@@ -14,7 +14,8 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from _cp_compare import Ctx, compare, expect_error
+from _cp_compare import Ctx, compare
+from helpers.dist_cases import expect_error
 
 COMMS = ("ring", "all_gather", "all_to_all")
 

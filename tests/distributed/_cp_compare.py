@@ -82,17 +82,3 @@ def compare(ctx: Ctx, inputs: List[torch.Tensor], kw: Dict[str, Any], comm: str,
     for i, (g, gs, ge) in enumerate(zip(loc_grads, g_single, g_exact)):
         got = unshard(g) if i < 3 else g
         assert_close(got, ge, bound_from(gs, ge, F32), f"{what} {names[i]}")
-
-
-def expect_error(exc: type, match: str, fn: Callable) -> None:
-    """fn() must raise `exc` with a message matching the regex `match`."""
-    import re
-
-    try:
-        fn()
-    except exc as e:
-        assert re.search(match, str(e)), f"{exc.__name__} message {str(e)!r} does not match {match!r}"
-        return
-    except Exception as e:  # noqa: BLE001
-        raise AssertionError(f"expected {exc.__name__} matching {match!r}, got {type(e).__name__}: {e}") from e
-    raise AssertionError(f"expected {exc.__name__} matching {match!r}, nothing raised")

@@ -124,14 +124,15 @@ class DenseRunner(PaddedKeysBackward):
             ops = {f"sm:{k}": t for k, t in ops.items()}
             ops["attn_scale"] = L.attn_scale(self.bwd_lowering, mod, self.static.scale, self.scale)
             return ops
-        memos = None if mod is None else mod.backend_memo().setdefault("dense_operands", {})
+        traced = mod is not None and mod.root is not None
+        memos = mod.backend_memo().setdefault("dense_operands", {}) if traced else None
         memo = None if memos is None else memos.get(self._memo_token)
         if memo is not None and memo[0] is mod.bound_values:
             return dict(memo[1])
         ops = L.mod_operands(self.lowering, mod, has_lengths=self.padding, device=self.device)
         ops = {f"sm:{k}": t for k, t in ops.items()}
         ops["attn_scale"] = L.attn_scale(self.lowering, mod, self.static.scale, self.scale)
-        if memos is not None and mod.root is not None and not mod.needs_dims:
+        if memos is not None and not mod.needs_dims:
             # A traced mod's operands (scalar inputs and tensor views: in-place tensor edits show
             # through) stay valid until its values change in place, which replaces its
             # `bound_values`: the same object with the same values binds the same operands.
