@@ -23,9 +23,11 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 rc=0
 if [ "$what" != bench ]; then
     extra=()
-    if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n 8 -p helpers.cuda_isolation); fi
+    # pytest-xdist workers: half the host cores plus 4, at most 12 (graph building is host-bound)
+    workers=$(( $(nproc) / 2 + 4 )); [ "$workers" -gt 12 ] && workers=12
+    if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n "$workers" -p helpers.cuda_isolation); fi
     if python3 -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout 300); fi
-    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE \
+    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations 25 \
         "${extra[@]}" --ignore tests/distributed/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1
     tail -45 "$out/gpu_tests.log"
     if [ "$ngpu" -ge 2 ]; then
