@@ -27,7 +27,7 @@ if [ "$what" != bench ]; then
     workers=$(( $(nproc) / 2 + 4 )); [ "$workers" -gt 12 ] && workers=12
     if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n "$workers" -p helpers.cuda_isolation); fi
     if python3 -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout 300); fi
-    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations 25 \
+    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfEx --durations 25 \
         "${extra[@]}" --ignore tests/distributed/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1
     tail -45 "$out/gpu_tests.log"
     if [ "$ngpu" -ge 2 ]; then

@@ -40,21 +40,29 @@ class ModCase:
     def __init__(self, name: str, fused_kwargs: Callable[[], Dict], score_fn: Optional[Callable] = None,
                  causal: bool = False, flex_score: Optional[Callable] = None, flex_causal: bool = False,
                  mask_fn: Optional[Callable] = None, flex_mask: Optional[Callable] = None, note: str = "",
-                 trained: Optional[Dict[str, torch.Tensor]] = None, trained_score: Optional[Callable] = None):
+                 trained: Optional[Dict[str, torch.Tensor]] = None, trained_score: Optional[Callable] = None,
+                 trained_head_dim: int = 1):
         self.name, self.fused_kwargs, self.score_fn, self.causal = name, fused_kwargs, score_fn, causal
         self.flex_score, self.flex_causal = flex_score, flex_causal
         self.mask_fn = mask_fn  # (b, h, q_idx, kv_idx) -> bool: the reference's mask
         self.flex_mask = flex_mask or mask_fn  # flex's mask_mod (its block mask), as a flex user writes it
         self.note = note
-        # trained: name -> leaf (1, H, S, S) whose gradient is timed and checked too ("d<name>");
-        # trained_score(params): the reference's score_fn reading the reference's copies of them
+        # trained: name -> leaf whose gradient is timed and checked too ("d<name>"), its heads on dim
+        # trained_head_dim ((1, H, S, S) bias: 1; (H, buckets) table: 0); trained_score(params): the
+        # reference's score_fn reading the reference's copies of them
         self.trained, self.trained_score = trained or {}, trained_score
+        self.trained_head_dim = trained_head_dim
+
+    def trained_heads(self, t: torch.Tensor, hs: int) -> torch.Tensor:
+        """A trained leaf's first hs heads (the slice the reference checks)."""
+        return t.narrow(self.trained_head_dim, 0, hs)
 
 
 def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
-    """softcap(30) alone, causal and windowed, causal (score_mod and native), post_scale_bias, alibi,
-    and NATTEN 2-D when S is a square (a mask score_mod on cuDNN vs flex_attention with the same
-    mask as a block mask)."""
+    """softcap(30) alone, causal and windowed, causal (score_mod and native), post_scale_bias (fixed
+    and trained), alibi, T5's trained relative-position table, and NATTEN 2-D when S is a square (a
+    mask score_mod on cuDNN vs flex_attention with the same mask as a block mask)."""
+    from score_mods.gym import relative_position_bias
     from score_mods.library import alibi, causal, post_scale_bias, softcap
 
     cap = 30.0
@@ -63,6 +71,8 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
     bias = torch.randn(1, h, s, s, device=device, dtype=torch.float32, generator=gen)
     trained = {dt: bias.to(dt).requires_grad_() for dt in (torch.float32, torch.bfloat16)}
     slopes = alibi_slope_values(h, device)
+    t5_table = torch.randn(h, 32, device=device, generator=gen).requires_grad_()
+    t5 = lambda table: relative_position_bias(table, 128)
     capped = lambda sc, b_, h_, q, k: cap * torch.tanh(sc / cap)
     biased = _bias_score(bias)
     alibied = lambda sc, b_, h_, q, k: sc + slopes[h_] * (k - q).to(sc.dtype)
@@ -110,6 +120,12 @@ def cases(device: torch.device, b: int, h: int, s: int) -> List[ModCase]:
         for dt, t in trained.items()
     ] + [
         ModCase("alibi", lambda: {"fused_attn": {"score_mod": alibi(slopes)}}, alibied, flex_score=alibied),
+        ModCase("T5 relative_position_bias trained", lambda: {"fused_attn": {"score_mod": t5(t5_table)}},
+                flex_score=t5(t5_table).to_flex(), trained={"table": t5_table}, trained_head_dim=0,
+                trained_score=lambda p: t5(p["table"]).to_flex(),
+                note="T5's learned fp32 (H, 32) table (bidirectional buckets, max_distance 128) requires grad: "
+                     "fwd+bwd times and checks its gradient too; cuDNN reads it as a materialized (1, H, S, S) "
+                     "bias, flex through its captured-buffer gradient"),
     ] + natten_cases
 
 
@@ -172,9 +188,9 @@ def _checked_heads(case: ModCase, b: int, h: int, s: int) -> int:
 
 
 def _select(case: ModCase, hs: int) -> Callable:
-    """The checked slice of an output in BSHD (a trained table (1, H, S, S): its first hs heads)."""
+    """The checked slice of an output in BSHD (a trained leaf: its first hs heads)."""
     if case.trained:
-        return lambda key, t: t[:, :hs] if key[1:] in case.trained else t[:, :, :hs]
+        return lambda key, t: case.trained_heads(t, hs) if key[1:] in case.trained else t[:, :, :hs]
     return lambda key, t: t[:1, :, :hs]
 
 
@@ -187,7 +203,7 @@ def _reference(q, k, v, do, case: ModCase, hs: int, dtype) -> Dict[str, torch.Te
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril() if case.causal else None
     if case.mask_fn is not None:
         mask = _dense_mask(case.mask_fn, s, q.device)
-    params = {n: t.detach()[:, :hs].to(dtype).requires_grad_() for n, t in case.trained.items()}
+    params = {n: case.trained_heads(t.detach(), hs).to(dtype).requires_grad_() for n, t in case.trained.items()}
     score_fn = case.trained_score(params) if case.trained else case.score_fn
     res = naive_attention(*sl[:3], scale=1 / math.sqrt(q.shape[-1]), dtype=dtype, mask=mask,
                           score_fn=score_fn, grad_out=sl[3], params=params)

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from .caches import register_lru
-from . import optable
+from . import optable, table_gather
 from .expr import INDEX_AXES, Node, topo_order
 
 
@@ -81,7 +81,7 @@ def gather(t: torch.Tensor, n: Node, idx: list, clamp_b: bool = False) -> torch.
     like = next(i for i in out if _is_t(i))
     # Python ints become index tensors too: mixed int / tensor indexing is data-dependent under
     # dynamo (flex_attention traces the mod) once sizes are dynamic
-    return t[tuple(i.to(device) if _is_t(i) else torch.full_like(like, i, device=device) for i in out)]
+    return table_gather.gather(t, [i.to(device) if _is_t(i) else torch.full_like(like, i, device=device) for i in out])
 
 
 def evaluate(root: Node, env: Dict[str, Any], params: Mapping[str, Any], extra: Mapping[Node, Any] = None,

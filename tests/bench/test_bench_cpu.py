@@ -34,9 +34,10 @@ def test_cpu_smoke_checks_times_and_writes_csv(tmp_path):
         assert float(r["ms"]) > 0 and float(r["tflops"]) > 0
         # absolute error vs the float64 reference, within the bf16 bound, which is itself small
         assert 0 < float(r["max_err"]) <= float(r["bound"]) < 0.1, r
-        assert r["worst"] == "out" if r["mode"] == "fwd" else r["worst"] in ("out", "dq", "dk", "dv", "dbias"), r
+        assert r["worst"] == "out" if r["mode"] == "fwd" else r["worst"] in ("out", "dq", "dk", "dv", "dbias", "dtable"), r
     trained = {r["config"].split(" B")[0] for r in timed if "trained" in r["config"]}
-    assert trained == {"post_scale_bias float32 trained", "post_scale_bias bfloat16 trained"}
+    assert trained == {"post_scale_bias float32 trained", "post_scale_bias bfloat16 trained",
+                       "T5 relative_position_bias trained"}
     assert {r["impl"] for r in rows if r["suite"] == "dense"} == {"fused_attn", "torch_sdpa_math"}
     rebuild = [r for r in rows if r["mode"] == "rebuild"]
     assert len(rebuild) == 1 and rebuild[0]["builds_delta"] == "0"
@@ -290,24 +291,29 @@ def test_lengths_and_document_bounds():
 
 
 @pytest.mark.slow
-def test_mods_bench_checks_a_trained_bias_gradient_over_the_whole_batch():
-    """The trained post_scale_bias rows time and check dBias (summed over every batch row): a wrong
-    bias gradient fails the check."""
+def test_mods_bench_checks_trained_gradients_over_the_whole_batch():
+    """The trained rows (post_scale_bias, T5's table) time and check the trained leaf's gradient
+    (summed over every batch row): a wrong gradient fails the check."""
     from benchmarks import mods as M
     from benchmarks.common import ImplWrongError, check_impl, reference_and_bounds
 
     dev, (b, h, s, d) = torch.device("cpu"), (2, 2, 64, 16)
     q, k, v, do = M._inputs(dev, b, h, s, d, seed=7)
-    for case in [c for c in M.cases(dev, b, h, s) if c.trained]:
+    trained = [c for c in M.cases(dev, b, h, s) if c.trained]
+    assert {c.name.split()[0] for c in trained} == {"post_scale_bias", "T5"}
+    for case in trained:
         hs = M._checked_heads(case, b, h, s)
         impl = M._impl("fused", M._fused_fn(case.fused_kwargs()["fused_attn"], "reference"), q, k, v, do, True,
                        case.trained)
         expected, bounds = reference_and_bounds(lambda dt: M._reference(q, k, v, do, case, hs, dt), q.dtype)
-        assert expected["dbias"].shape == (1, hs, s, s)
-        assert set(check_impl(impl, expected, bounds, M._select(case, hs))) == {"out", "dq", "dk", "dv", "dbias"}
+        (name,) = case.trained
+        shape = list(case.trained[name].shape)
+        shape[case.trained_head_dim] = hs
+        assert expected["d" + name].shape == tuple(shape)
+        assert set(check_impl(impl, expected, bounds, M._select(case, hs))) == {"out", "dq", "dk", "dv", "d" + name}
         right = impl.outputs
-        impl.outputs = lambda: {**right(), "dbias": right()["dbias"] * 1.1}
-        with pytest.raises(ImplWrongError, match="dbias"):
+        impl.outputs = lambda: {**right(), "d" + name: right()["d" + name] * 1.1}
+        with pytest.raises(ImplWrongError, match="d" + name):
             check_impl(impl, expected, bounds, M._select(case, hs))
 
 

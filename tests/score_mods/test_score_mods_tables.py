@@ -185,3 +185,92 @@ def test_materialization_is_thread_safe():
         t.join()
     assert not errors
     assert materialization.cache_info()["entries"] <= materialization.MAX_ENTRIES
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_small_table_gradient_is_a_histogram_equal_to_index_put(dtype):
+    """A small trained table read at broadcast (h, q, kv) indices, negative ones included: the
+    histogram backward (table_gather, used for CUDA tables) gives index_put's accumulated gradient
+    (same terms, another order) within the rule for the dtype; a CPU table, one past MAX_ENTRIES,
+    one without grad and deterministic mode keep `table[...]`."""
+    from score_mods import table_gather
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(4, 9, generator=g, dtype=torch.float64).to(dtype)
+    h = torch.arange(4).view(1, 4, 1, 1)
+    rel = (torch.arange(40).view(1, 1, 1, 40) - torch.arange(33).view(1, 1, 33, 1)).clamp(-4, 4)
+    indices = [h, rel]  # -4..4: negative indices read from the end, as table[...] does
+    grad = torch.randn(2, 4, 33, 40, generator=g, dtype=torch.float64).to(dtype)
+
+    def grad_of(fn):
+        leaf = table.detach().clone().requires_grad_()
+        out = fn(leaf)
+        assert out.shape == (1, 4, 33, 40)
+        (got,) = torch.autograd.grad(out.expand_as(grad), leaf, grad)
+        return out.detach(), got
+
+    out, got = grad_of(lambda t: table_gather.histogram_gather(t, indices))
+    want_out, want = grad_of(lambda t: t[tuple(indices)])
+    assert torch.equal(out, want_out) and got.dtype == dtype
+    exact_leaf = table.detach().double().requires_grad_()
+    (exact,) = torch.autograd.grad(exact_leaf[tuple(indices)].expand_as(grad), exact_leaf, grad.double())
+    bound = testing.bound_from(want, exact, dtype)  # index_put's own error in this dtype sets the rule
+    testing.assert_close(got, exact, bound, f"histogram table gradient ({dtype})")
+
+    assert not table_gather.histogram_backward_applies(table.detach().requires_grad_(), indices)  # CPU
+    assert table_gather.gather(table.detach().requires_grad_(), indices).grad_fn.name() == "IndexBackward0"
+
+
+@pytest.mark.gpu
+def test_cuda_small_table_gradient_is_a_histogram():
+    """On CUDA a small trained table takes the histogram backward (T5's (H, 32) read at every
+    (h, q, kv)), equal to float64 within the fp32 rule; one past MAX_ENTRIES, one without grad and
+    deterministic mode keep index_put."""
+    from score_mods import table_gather
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    table = torch.randn(16, 32, device="cuda", generator=g, requires_grad=True)
+    h = torch.arange(16, device="cuda").view(1, 16, 1, 1)
+    i = torch.arange(512, device="cuda")
+    rel = (i.view(1, 1, 1, -1) - i.view(1, 1, -1, 1)).abs().clamp(max=31)
+    grad = torch.randn(2, 16, 512, 512, device="cuda", generator=g)
+    out = table_gather.gather(table, [h, rel])
+    assert out.grad_fn.name() != "IndexBackward0"
+    (got,) = torch.autograd.grad(out.expand_as(grad), table, grad)
+    exact_leaf = table.detach().double().requires_grad_()
+    (exact,) = torch.autograd.grad(exact_leaf[h, rel].expand_as(grad), exact_leaf, grad.double())
+    (same,) = torch.autograd.grad(table[h, rel].expand_as(grad), table, grad)  # index_put in fp32
+    testing.assert_close(got, exact, testing.bound_from(same, exact, torch.float32), "CUDA histogram gradient")
+
+    big = torch.zeros(table_gather.MAX_ENTRIES + 1, device="cuda", requires_grad=True)
+    assert not table_gather.histogram_backward_applies(big, [torch.arange(3, device="cuda")])
+    assert not table_gather.histogram_backward_applies(table.detach(), [h, rel])
+    with torch.no_grad():
+        assert not table_gather.histogram_backward_applies(table, [h, rel])
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not table_gather.histogram_backward_applies(table, [h, rel])
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def test_fake_and_meta_tables_keep_plain_indexing():
+    """Tracing with fake or meta tensors never reaches the histogram (its output size would depend
+    on values): shapes and a grad_fn come from plain indexing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from score_mods import table_gather
+
+    meta = torch.zeros(4, 9, device="meta", requires_grad=True)
+    idx = [torch.arange(4, device="meta").view(4, 1), torch.zeros(1, 7, dtype=torch.long, device="meta")]
+    assert not table_gather.histogram_backward_applies(meta, idx)
+    assert table_gather.gather(meta, idx).shape == (4, 7)
+    with FakeTensorMode():
+        fake = torch.zeros(4, 9, requires_grad=True)
+        fidx = [torch.arange(4).view(4, 1), torch.zeros(1, 7, dtype=torch.long)]
+        assert not table_gather.histogram_backward_applies(fake, fidx)
+        out = table_gather.gather(fake, fidx)
+        assert out.shape == (4, 7) and out.grad_fn is not None
