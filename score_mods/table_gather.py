@@ -10,8 +10,9 @@ in shared memory for tables this small), the same sum in another order.
 
 `gather(table, indices)` uses it where that cost arises and it is safe to: a CUDA table that
 requires grad, with at most `MAX_ENTRIES` entries, every tensor a plain (or Parameter) tensor (not
-fake, meta or functorch-wrapped), torch not compiling and deterministic algorithms off (CUDA's
-weighted bincount is not deterministic). Otherwise, and for reading alone, it is `table[indices]`
+fake, meta or functorch-wrapped), torch not compiling, no CUDA graph being captured (bincount
+reads its output size on the host) and deterministic algorithms off (CUDA's weighted bincount is
+not deterministic). Otherwise, and for reading alone, it is `table[indices]`
 (on CPU both backwards add serially; measured there, the histogram's extra index pass made a T5
 training step slower).
 """
@@ -42,6 +43,8 @@ def histogram_backward_applies(table: torch.Tensor, indices: Sequence[torch.Tens
     if table.numel() > MAX_ENTRIES:
         return False
     if torch.compiler.is_compiling() or torch.are_deterministic_algorithms_enabled():
+        return False
+    if torch.cuda.is_current_stream_capturing():  # bincount reads its size on the host: no capture
         return False
     return _plain(table) and all(_plain(i) for i in indices)
 

@@ -224,8 +224,8 @@ def test_small_table_gradient_is_a_histogram_equal_to_index_put(dtype):
 @pytest.mark.gpu
 def test_cuda_small_table_gradient_is_a_histogram():
     """On CUDA a small trained table takes the histogram backward (T5's (H, 32) read at every
-    (h, q, kv)), equal to float64 within the fp32 rule; one past MAX_ENTRIES, one without grad and
-    deterministic mode keep index_put."""
+    (h, q, kv)), equal to float64 within the fp32 rule; one past MAX_ENTRIES, one without grad,
+    deterministic mode and a CUDA graph capture keep index_put."""
     from score_mods import table_gather
 
     if not torch.cuda.is_available():
@@ -255,6 +255,9 @@ def test_cuda_small_table_gradient_is_a_histogram():
         assert not table_gather.histogram_backward_applies(table, [h, rel])
     finally:
         torch.use_deterministic_algorithms(previous)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # bincount sizes its output on the host: never inside a capture
+        assert not table_gather.histogram_backward_applies(table, [h, rel])
 
 
 def test_fake_and_meta_tables_keep_plain_indexing():
