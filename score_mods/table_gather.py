@@ -12,9 +12,9 @@ in shared memory for tables this small), the same sum in another order.
 requires grad, with at most `MAX_ENTRIES` entries, every tensor a plain (or Parameter) tensor (not
 fake, meta or functorch-wrapped), torch not compiling, no CUDA graph being captured (bincount
 reads its output size on the host) and deterministic algorithms off (CUDA's weighted bincount is
-not deterministic). Otherwise, and for reading alone, it is `table[indices]`
-(on CPU both backwards add serially; measured there, the histogram's extra index pass made a T5
-training step slower).
+not deterministic). Otherwise, and for reading alone, it is `table[indices]` (on CPU both
+backwards add serially; measured there, the histogram's extra index pass made a T5 training step
+slower). A second derivative (create_graph) sums with `index_add`, which has one.
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ class _HistogramGather(torch.autograd.Function):
         entries = 1
         for size in shape:
             entries *= size
-        summed = torch.bincount(flat, weights=weights, minlength=entries)
+        if torch.is_grad_enabled():  # create_graph: a differentiable sum (bincount has no derivative)
+            summed = weights.new_zeros(entries).index_add(0, flat, weights)
+        else:
+            summed = torch.bincount(flat, weights=weights, minlength=entries)
         return (summed.view(shape).to(ctx.table_dtype),) + (None,) * len(indices)
 
 

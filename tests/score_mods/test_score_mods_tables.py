@@ -191,7 +191,8 @@ def test_materialization_is_thread_safe():
 def test_small_table_gradient_is_a_histogram_equal_to_index_put(dtype):
     """A small trained table read at broadcast (h, q, kv) indices, negative ones included: the
     histogram backward (table_gather, used for CUDA tables) gives index_put's accumulated gradient
-    (same terms, another order) within the rule for the dtype; a CPU table, one past MAX_ENTRIES,
+    (same terms, another order) within the rule for the dtype, and its second derivative
+    (create_graph) equals index_put's; a CPU table, one past MAX_ENTRIES,
     one without grad and deterministic mode keep `table[...]`."""
     from score_mods import table_gather
 
@@ -217,6 +218,16 @@ def test_small_table_gradient_is_a_histogram_equal_to_index_put(dtype):
     bound = testing.bound_from(want, exact, dtype)  # index_put's own error in this dtype sets the rule
     testing.assert_close(got, exact, bound, f"histogram table gradient ({dtype})")
 
+    # a second derivative through the table's gradient (create_graph) equals index_put's
+    weight = torch.randn(1, 4, 33, 40, generator=g, dtype=torch.float64)
+
+    def second_derivative(fn):
+        leaf = table.detach().double().requires_grad_()
+        (first,) = torch.autograd.grad((fn(leaf) ** 2 * weight).sum(), leaf, create_graph=True)
+        return torch.autograd.grad(first.square().sum(), leaf)[0]
+
+    torch.testing.assert_close(second_derivative(lambda t: table_gather.histogram_gather(t, indices)),
+                               second_derivative(lambda t: t[tuple(indices)]), rtol=1e-12, atol=1e-12)
     assert not table_gather.histogram_backward_applies(table.detach().requires_grad_(), indices)  # CPU
     assert table_gather.gather(table.detach().requires_grad_(), indices).grad_fn.name() == "IndexBackward0"
 
