@@ -40,13 +40,12 @@ def histogram_backward_applies(table: torch.Tensor, indices: Sequence[torch.Tens
     """Whether `gather` sums `table`'s gradient as a histogram for these index tensors."""
     if table.device.type != "cuda" or not (table.requires_grad and torch.is_grad_enabled()):
         return False
-    if table.numel() > MAX_ENTRIES:
+    # fake CUDA tensors exist without a CUDA runtime: rule them out before asking CUDA anything
+    if table.numel() > MAX_ENTRIES or not (_plain(table) and all(_plain(i) for i in indices)):
         return False
     if torch.compiler.is_compiling() or torch.are_deterministic_algorithms_enabled():
         return False
-    if torch.cuda.is_current_stream_capturing():  # bincount reads its size on the host: no capture
-        return False
-    return _plain(table) and all(_plain(i) for i in indices)
+    return not torch.cuda.is_current_stream_capturing()  # bincount reads its size on the host
 
 
 def _linear_index(indices: Sequence[torch.Tensor], shape: Tuple[int, ...]) -> torch.Tensor:
@@ -67,7 +66,7 @@ class _HistogramGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, table: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
-        ctx.table_shape, ctx.table_dtype = tuple(table.shape), table.dtype
+        ctx.table_shape, ctx.table_dtype, ctx.entries = tuple(table.shape), table.dtype, table.numel()
         ctx.save_for_backward(*indices)
         return table[indices]
 
@@ -79,13 +78,10 @@ class _HistogramGather(torch.autograd.Function):
         weights = grad.reshape(-1)
         if weights.dtype not in (torch.float32, torch.float64):
             weights = weights.float()
-        entries = 1
-        for size in shape:
-            entries *= size
         if torch.is_grad_enabled():  # create_graph: a differentiable sum (bincount has no derivative)
-            summed = weights.new_zeros(entries).index_add(0, flat, weights)
+            summed = weights.new_zeros(ctx.entries).index_add(0, flat, weights)
         else:
-            summed = torch.bincount(flat, weights=weights, minlength=entries)
+            summed = torch.bincount(flat, weights=weights, minlength=ctx.entries)
         return (summed.view(shape).to(ctx.table_dtype),) + (None,) * len(indices)
 
 

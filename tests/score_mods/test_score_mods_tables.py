@@ -192,8 +192,8 @@ def test_small_table_gradient_is_a_histogram_equal_to_index_put(dtype):
     """A small trained table read at broadcast (h, q, kv) indices, negative ones included: the
     histogram backward (table_gather, used for CUDA tables) gives index_put's accumulated gradient
     (same terms, another order) within the rule for the dtype, and its second derivative
-    (create_graph) equals index_put's; a CPU table, one past MAX_ENTRIES,
-    one without grad and deterministic mode keep `table[...]`."""
+    (create_graph) equals index_put's; a CPU table keeps `table[...]` (the other cases that keep
+    it: the GPU test below)."""
     from score_mods import table_gather
 
     g = torch.Generator().manual_seed(3)
@@ -272,8 +272,9 @@ def test_cuda_small_table_gradient_is_a_histogram():
 
 
 def test_fake_and_meta_tables_keep_plain_indexing():
-    """Tracing with fake or meta tensors never reaches the histogram (its output size would depend
-    on values): shapes and a grad_fn come from plain indexing."""
+    """Tracing with fake CUDA tensors (no CUDA runtime needed) or meta tensors never reaches the
+    histogram (its output size would depend on values) nor asks CUDA anything: shapes and a
+    grad_fn come from plain indexing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from score_mods import table_gather
@@ -283,8 +284,9 @@ def test_fake_and_meta_tables_keep_plain_indexing():
     assert not table_gather.histogram_backward_applies(meta, idx)
     assert table_gather.gather(meta, idx).shape == (4, 7)
     with FakeTensorMode():
-        fake = torch.zeros(4, 9, requires_grad=True)
-        fidx = [torch.arange(4).view(4, 1), torch.zeros(1, 7, dtype=torch.long)]
-        assert not table_gather.histogram_backward_applies(fake, fidx)
-        out = table_gather.gather(fake, fidx)
+        for device in ("cuda", "cpu"):  # a fake CUDA table is ruled out before any CUDA call
+            fake = torch.zeros(4, 9, device=device, requires_grad=True)
+            fidx = [torch.arange(4, device=device).view(4, 1), torch.zeros(1, 7, dtype=torch.long, device=device)]
+            assert not table_gather.histogram_backward_applies(fake, fidx)
+        out = table_gather.gather(fake, fidx)  # CPU: indexing fake CUDA tensors needs a CUDA build
         assert out.shape == (4, 7) and out.grad_fn is not None
