@@ -84,11 +84,6 @@ def capturing(objects: tuple) -> bool:
     return False
 
 
-def _same(stored: tuple, objects: tuple) -> bool:
-    """Element-wise identity (`is`) of the held objects, never `==` (tensors compare element-wise)."""
-    return len(stored) == len(objects) and all(held() is obj for held, obj in zip(stored, objects))
-
-
 class BoundedMemo(Generic[K, V]):
     """Bounded LRU map, safe under threads; evicts the least recently used entry past `maxsize`.
 
@@ -103,7 +98,8 @@ class BoundedMemo(Generic[K, V]):
     VM, where an uncontended Lock acquire/release alone is ~80 ns): `dict.get` 44 ns; `get` 250 ns
     (~0.2 us for the lock, the LRU move and the counter); `get_or_create` hit 266 ns;
     `get_identity` with a 2-object tuple 275 ns when the caller passes the stored tuple itself,
-    ~470 ns when it builds a fresh one (element-wise `is` checks); `peek` ~50 ns.
+    ~470 ns when it builds a fresh one (element-wise `is` checks); `peek` ~50 ns (all with a
+    small key: a long tuple key adds its hash, ~0.2 us for 14 items, to every lookup).
     """
 
     __slots__ = ("_name", "_maxsize", "_data", "_lock", "_pending", "_generation", "_on_evict",
@@ -164,23 +160,52 @@ class BoundedMemo(Generic[K, V]):
 
         Identity entries are read with this method only: plain `get` returns them wrapped.
         Always a miss during CUDA graph capture (module docstring)."""
-        if capturing(objects):
-            with self._lock:
-                self._misses += 1
-            return default
+        for obj in objects:  # `capturing(objects)`, with no call unless a CUDA tensor is among them
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                if capturing((obj,)):
+                    with self._lock:
+                        self._misses += 1
+                    return default
+                break
         lock = self._lock
         lock.acquire()
         try:
             data = self._data
             entry = data.get(key, _MISSING)
-            if type(entry) is _Pinned and _same(entry.objects, objects):
-                data.move_to_end(key)
-                self._hits += 1
-                return entry.value
+            if type(entry) is _Pinned:
+                stored = entry.objects  # element-wise `is`, never `==` (tensors compare element-wise)
+                if len(stored) == len(objects):
+                    for held, obj in zip(stored, objects):
+                        if held() is not obj:
+                            break
+                    else:
+                        data.move_to_end(key)
+                        self._hits += 1
+                        return entry.value
             self._misses += 1
             return default
         finally:
             lock.release()
+
+    def peek_identity(self, key: K, objects: tuple, default: Optional[V] = None) -> Optional[V]:
+        """`get_identity` without the lock, the LRU refresh or the counters (as `peek` is to
+        `get`): for hot paths whose entries are cheap to remake. Always a miss during CUDA graph
+        capture (module docstring)."""
+        for obj in objects:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                if capturing((obj,)):
+                    return default
+                break
+        entry = self._data.get(key, _MISSING)
+        if type(entry) is not _Pinned:
+            return default
+        stored = entry.objects
+        if len(stored) != len(objects):
+            return default
+        for held, obj in zip(stored, objects):
+            if held() is not obj:
+                return default
+        return entry.value
 
     def get_or_create(self, key: K, factory: Callable[[], V]) -> V:
         """The value for `key`, or `factory()` stored under it on a miss.

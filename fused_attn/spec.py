@@ -177,7 +177,12 @@ def clear_spec_memo() -> None:
 
 
 def _memo_get(key: tuple, score_mod: Any) -> Optional[Tuple[AttentionSpec, Any]]:
-    hit = _MEMO.get_identity(key, (score_mod,))
+    """The memoized (spec, mod) for `key`, or None; TypeError if `key` is unhashable. On every
+    call's path, so read without the lock or the LRU refresh (`peek`): an entry costs tens of
+    microseconds to remake (no graph), and the memo's bound still holds."""
+    if score_mod is None:  # None's id is never reused: no identity entry is needed
+        return _MEMO.peek(key)
+    hit = _MEMO.peek_identity(key, (score_mod,))
     if hit is None:
         return None
     spec, mod = hit
@@ -185,11 +190,13 @@ def _memo_get(key: tuple, score_mod: Any) -> Optional[Tuple[AttentionSpec, Any]]
 
 
 def _memo_put(key: tuple, score_mod: Any, spec: AttentionSpec, mod: Any) -> None:
-    if score_mod is not None:
-        try:
-            weakref.ref(score_mod)
-        except TypeError:
-            return  # not weakly referenceable: not memoized (the memo would keep it alive)
+    if score_mod is None:
+        _MEMO.put(key, (spec, None))
+        return
+    try:
+        weakref.ref(score_mod)
+    except TypeError:
+        return  # not weakly referenceable: not memoized (the memo would keep it alive)
     if mod is not score_mod and mod is not None and mod.structure_only() is not mod:
         return  # a normalized mod holding tensors: not memoized
     _MEMO.put_identity(key, (score_mod,), (spec, stored_mod(mod, score_mod)))
@@ -219,11 +226,10 @@ def resolve_spec(qkv_format: Any = "bshd", attn_mask_type: Any = "no_mask", wind
         key = (qkv_format, attn_mask_type, window, softmax_scale, type(softmax_scale), id(score_mod), return_lse,
                type(return_lse), backend, deterministic, type(deterministic), softmax_type, dropout_p, type(dropout_p))
         try:
-            hash(key)
-        except TypeError:
-            key = None
-        if key is not None:
             hit = _memo_get(key, score_mod)
+        except TypeError:  # an unhashable argument: resolved without the memo (which names a bad one)
+            key = None
+        else:
             if hit is not None:
                 return hit
     spec, mod = _resolve(qkv_format, attn_mask_type, window_size, softmax_scale, score_mod, score_mod_tensors,

@@ -25,9 +25,9 @@ def is_abstract(*tensors: Any) -> bool:
                 return True
         elif isinstance(t, torch.Tensor) and _is_fake(t):
             return True
-    if torch.compiler.is_compiling():
+    if torch._C._get_dispatch_mode(_FAKE) is None:
         return False
-    return torch._C._get_dispatch_mode(_FAKE) is not None
+    return not torch.compiler.is_compiling()
 
 
 def _is_fake(t: torch.Tensor) -> bool:
