@@ -14,7 +14,8 @@ import torch
 
 from ... import device_facts
 
-__all__ = ["PINNED_VERSION", "INSTALL_HINT", "module", "unavailable", "version", "arch_refusal", "arch"]
+__all__ = ["PINNED_VERSION", "INSTALL_HINT", "module", "unavailable", "version", "arch_refusal", "arch",
+           "persist_kernels", "cache_swap_lock"]
 
 #: the flash-attn-4 release this engine is written and tested against (3rdparty/requirements-fa4.txt)
 PINNED_VERSION = "4.0.0b36"
@@ -24,6 +25,8 @@ SUPPORTED_MAJORS = (9, 10)
 
 _lock = threading.Lock()
 _state: Dict[str, Any] = {}
+#: held while the library replaces one of FA4's compile caches (`persist_kernels`, `launch.record`)
+_swap_lock = threading.Lock()
 
 
 def _load() -> None:
@@ -102,7 +105,7 @@ def persist_kernels(directory: Optional[Any]) -> None:
 
     interface = module()
     root = Path(directory) / "fa4" / cache_utils._compute_source_fingerprint()
-    with _lock:
+    with _swap_lock:
         for attr, name in _KERNEL_CACHES:
             fn = getattr(interface, attr, None)
             current = getattr(fn, "compile_cache", None)
@@ -114,3 +117,9 @@ def persist_kernels(directory: Optional[Any]) -> None:
             fresh = cache_utils.JITPersistentCache(target)
             fresh.cache.update(getattr(current, "cache", {}))
             fn.compile_cache = fresh
+
+
+def cache_swap_lock() -> threading.Lock:
+    """The lock held while one of FA4's compile caches is replaced (by `persist_kernels`, or
+    watched for one call by `launch.record`): never taken while FA4 is being imported."""
+    return _swap_lock

@@ -9,6 +9,8 @@ lse: fp32 (B, H, Sq) dense / (H, Tq) thd, with sinks folded in, as the reference
 Per call the runner reads the mod's values: the window of a library mask, the
 tensors and scalars of a generated CuTe mod, the library's softcap among them (aux tensors /
 aux scalars: new values never recompile).
+The forward launches FA4's kernel as recorded for the call's signature (`launch`: FA4's
+host path runs once per signature); the backward goes through `_flash_attn_bwd` every call.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from ...cache import GRAPH_CACHE
 from ...problem import Band
-from . import cute_load, install
+from . import cute_load, install, launch
 from .support import Plan, window
 
 __all__ = ["Fa4Runner"]
@@ -76,6 +78,7 @@ class Fa4Runner:
         store = GRAPH_CACHE.store
         install.persist_kernels(None if store is None else store.directory)
         self.fns = None if plan.source is None else cute_load.load(plan.source)
+        self.owner = launch.new_owner()  # keys this runner's recorded forward launches
         self.quirks: Tuple[str, ...] = ()
 
     # -- per-call kernel arguments
@@ -113,19 +116,43 @@ class Fa4Runner:
 
     def forward(self, q, k, v, varlen, mod, sinks, rng=None, extras=None, dest=None):
         """(out, lse or None, saved, state); dest: (out, (B, H, Sq, 1) lse) views to copy into."""
-        fa = install.module()
         args = self._common(varlen, mod, sinks, q)
         if self.fns is not None:
             args["score_mod"] = self.fns.score_mod
         # thd: cu_seqlens end at the token count (checked per call), so every row is written
         out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
+        qb, kb, vb, ob = (_bshd(t, self.fmt) for t in (q, k, v, out))
+        lse_shape = (qb.shape[1], qb.shape[0]) if self.packed else (qb.shape[0], qb.shape[2], qb.shape[1])
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         with torch.no_grad():
-            _, lse, *_ = fa._flash_attn_fwd(_bshd(q, self.fmt), _bshd(k, self.fmt), _bshd(v, self.fmt),
-                                            out=_bshd(out, self.fmt), return_lse=True, **args)
+            self._launch_forward(qb, kb, vb, ob, lse, args)
         if dest is not None:
             dest[0].copy_(out)
             dest[1].copy_(lse.unsqueeze(-1))
         return out, (lse if self.return_lse else None), (q, k, v, out, lse), (varlen, mod, sinks)
+
+    def _launch_forward(self, q, k, v, out, lse, args: Dict[str, Any]) -> None:
+        """FA4's forward into `out` and `lse` ((B, S, H, D) views): its recorded launch for this
+        call's signature where there is one (`launch`), else FA4's function (recording it)."""
+        own = (q, k, v, out, lse, args.get("cu_seqlens_q"), args.get("cu_seqlens_k"), args.get("learnable_sink"))
+        aux_tensors, aux_scalars = args.get("aux_tensors"), args.get("aux_scalars")
+        constants = (args["softmax_scale"], args["causal"], args["window_size_left"], args["window_size_right"],
+                     args.get("max_seqlen_q"), args.get("max_seqlen_k"))
+        sig = launch.signature(own, aux_tensors, aux_scalars, constants)
+        entry = launch.lookup(self.owner, sig)
+        if type(entry) is launch.Launch:
+            launch.launch(entry, own, aux_tensors, aux_scalars)
+            return
+
+        def run() -> None:
+            install.module()._flash_attn_fwd(q, k, v, out=out, lse=lse, return_lse=True, **args)
+
+        if entry is not None:  # a signature FA4's own path serves (launch.Host)
+            run()
+            return
+        got = launch.record(run, own, aux_tensors, aux_scalars)
+        if got is not None:
+            launch.store(self.owner, sig, got)
 
     def backward(self, state, saved, grad_out):
         varlen, mod, sinks = state

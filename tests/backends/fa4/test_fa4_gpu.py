@@ -42,9 +42,12 @@ def _run(backend, dtype, q, k, v, dout, sinks=None, **kw):
 
 
 def check(name, q, k, v, dout, sinks=None, **kw):
-    """fa4 vs the float64 reference, out (and lse) and every gradient, bounds from the bf16 reference."""
+    """fa4 vs the float64 reference, out (and lse) and every gradient, bounds from the bf16 reference.
+    A first fa4 call on other values records the forward's launch; the checked call replays it
+    with its own tensors (`fused_attn.backends.fa4.launch`)."""
     exact = _run("reference", torch.float64, q, k, v, dout, sinks, **kw)
     same = _run("reference", DT, q, k, v, dout, sinks, **kw)
+    _run("fa4", DT, q.flip(-1), k, -v, dout, sinks, **kw)
     got = _run("fa4", DT, q, k, v, dout, sinks, **kw)
     testing.assert_close(got[0].float(), exact[0], testing.bound_from(same[0], exact[0], DT), f"{name} out")
     if kw.get("return_lse"):
@@ -160,6 +163,46 @@ def test_scalar_value_change_keeps_the_compiled_kernel():
     same = fused_attn.dot_product_attention(q, q, q, score_mod=tilt(slope=0.01), backend="reference")
     assert not torch.equal(a, b)
     testing.assert_close(b.double(), exact, testing.bound_from(same, exact, DT), "slope 0.01 after 0.5")
+
+
+RECORDED = {
+    "causal bshd": dict(shape=(2, 256, 4, 64), attn_mask_type="causal"),
+    "window sinks gqa sbhd": dict(shape=(256, 2, 4, 64), hkv=2, qkv_format="sbhd", window_size=(32, 0),
+                                  attn_mask_type="causal", softmax_type="learnable"),
+    "softcap bhsd": dict(shape=(2, 4, 256, 64), qkv_format="bhsd", score_mod=sm.softcap(20.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(RECORDED))
+def test_a_recorded_forward_launch_is_fa4s_own_launch(case):
+    """The second call of a signature launches the recorded kernel: bit for bit the first call's
+    output and lse, with the launch memo's hit counted; self-attention (q is k is v) and distinct
+    tensors of the same shapes are told apart."""
+    from fused_attn.backends.fa4 import launch
+
+    kw = dict(RECORDED[case])
+    shape, hkv = kw.pop("shape"), kw.pop("hkv", None)
+    fmt = kw.get("qkv_format", "bshd")
+    kv_shape = list(shape)
+    if hkv is not None:
+        kv_shape[{"bshd": 2, "sbhd": 2, "bhsd": 1}[fmt]] = hkv
+    q = _rand(*shape, seed=1).to(DT)
+    k, v = _rand(*kv_shape, seed=2).to(DT), _rand(*kv_shape, seed=3).to(DT)
+    if kw.get("softmax_type") == "learnable":
+        kw["sinks"] = _rand(shape[{"bshd": 2, "sbhd": 2, "bhsd": 1}[fmt]], seed=4).float()
+    kw.update(backend="fa4", return_lse=True)
+    first = fused_attn.dot_product_attention(q, k, v, **kw)
+    hits = launch.info().hits
+    second = fused_attn.dot_product_attention(q, k, v, **kw)
+    assert launch.info().hits == hits + 1
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    if hkv is None:  # self-attention after distinct tensors: its own recording, right values
+        fused_attn.dot_product_attention(q, q, q, **kw)
+        got = fused_attn.dot_product_attention(q, q, q, **kw)[0]
+        ref_kw = {n: x for n, x in kw.items() if n not in ("backend", "return_lse")}
+        exact = fused_attn.dot_product_attention(q.double(), q.double(), q.double(), backend="reference", **ref_kw)
+        same = fused_attn.dot_product_attention(q, q, q, backend="reference", **ref_kw)
+        testing.assert_close(got.double(), exact, testing.bound_from(same, exact, DT), f"{case} q is k is v")
 
 
 def test_explain_names_fa4_and_refusals():
