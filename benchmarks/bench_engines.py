@@ -12,9 +12,10 @@ forward and forward + backward, three numbers per implementation:
     python -m fused_attn bench engines [--write-table] [--quick] [--out DIR]
     python benchmarks/bench_engines.py --out OUT_DIR [--write-table] [--quick]
 
---write-table stores each fused_attn engine's cost per call, max(GPU time, host time) (a call
-costs a step its GPU time unless its launch is slower), as `fused_attn/speed/<arch>.csv`, the
-table backend="auto" chooses from (rows of the families measured replace older ones).
+--write-table stores each fused_attn engine's cost per call, its wall time per step (the GPU
+time, or the launch where that is slower, plus the gaps a host path leaves between an engine's
+kernels), as `fused_attn/speed/<arch>.csv`, the table backend="auto" chooses from (rows of the
+families measured replace older ones).
 """
 
 from __future__ import annotations
@@ -257,8 +258,13 @@ def write_markdown(rows: List[dict], path: str, header: str) -> None:
 
 
 def call_cost(row: dict, what: str) -> float:
-    """What one call costs a step that has other work queued: its GPU time, or its host time when
-    the host is the slower of the two (a host-bound call holds the step up by its launch time)."""
+    """What one call costs a step: its wall time per step over back-to-back steps, which holds
+    its GPU time, its launch where that is slower, and the gaps left between an engine's kernels
+    while its host path prepares the next one (FA4's backward launches three); rows without a
+    wall time (older runs): max(GPU time, host time)."""
+    wall = row.get(f"{what}_wall_ms")
+    if wall not in (None, ""):
+        return float(wall)
     return max(float(row[f"{what}_gpu_ms"]), float(row[f"{what}_host_us"]) / 1e3)
 
 
