@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--families", default=None,
                    help="models suite only: comma-separated model families (default: llama,gemma2,gpt_oss)")
+    p.add_argument("--impls", default=None,
+                   help="models suite only: comma-separated implementations (default: all that run here: "
+                        "fused_attn, fused_attn_fa4, sdpa, flex_attention, eager, flash_attention_4)")
     p.add_argument("--only", default=None, help="cpu suite only: the configs whose label contains this text")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="without a CUDA GPU: run the harness at tiny shapes on CPU (reference backend)")
@@ -107,6 +110,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad or not families:
             print(f"--families: unknown model family {bad or args.families!r}; choose from {', '.join(FAMILIES)}")
             return 2
+    impls = None
+    if args.impls is not None:
+        from .models import FA4_OURS, FA4_PEER, IMPLS
+
+        known = IMPLS + (FA4_OURS, FA4_PEER)
+        impls = tuple(i.strip() for i in args.impls.split(",") if i.strip())
+        bad = [i for i in impls if i not in known]
+        if bad or not impls:
+            print(f"--impls: unknown implementation {bad or args.impls!r}; choose from {', '.join(known)}")
+            return 2
     if args.suite == "engines":
         from .bench_engines import main as run_engines
 
@@ -137,10 +150,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results: Dict[str, SuiteResult] = {}
     for name in progress(SUITES if args.suite == "all" else (args.suite,), desc="bench suites"):
         try:
-            if name == "models" and families is not None:
-                from .models import run as run_models
+            if name == "models":
+                from .models import BENCH_FAMILIES, run as run_models
 
-                results[name] = run_models(args.quick, device, families=families)
+                results[name] = run_models(
+                    args.quick, device, families=families or BENCH_FAMILIES, impls=impls,
+                    after_family=lambda so_far: _report("models", so_far, env, args.out, show=False))
             else:
                 results[name] = _suite_runner(name)(args.quick, device)
         except Exception as exc:  # a whole suite could not run: report, keep going, fail at the end

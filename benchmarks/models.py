@@ -34,7 +34,7 @@ the training runs from `model_training`.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -189,8 +189,12 @@ def loss_rows(family: str, label: str, curves: Dict[str, List[float]], every: in
              **{impl: (v[i] if i < len(v) else None) for impl, v in curves.items()}} for i in steps]
 
 
-def run(quick: bool, device: torch.device, families: Sequence[str] = BENCH_FAMILIES) -> SuiteResult:
-    """The `models` suite (see the module docstring)."""
+def run(quick: bool, device: torch.device, families: Sequence[str] = BENCH_FAMILIES,
+        impls: Optional[Sequence[str]] = None,
+        after_family: Optional[Callable[[SuiteResult], None]] = None) -> SuiteResult:
+    """The `models` suite (see the module docstring). impls: a subset of `default_impls(device)`
+    (None: all); after_family(result so far) runs after each family (the CLI writes its files
+    there, so a run cut short keeps the families it finished)."""
     result = SuiteResult(notes=[
         "tokens_per_s / step_ms: training steps (forward, backward, AdamW) in bf16: 3 rounds in which the "
         "implementations take turns, each the median step after 3 warm-up steps; the best round counts; "
@@ -205,7 +209,9 @@ def run(quick: bool, device: torch.device, families: Sequence[str] = BENCH_FAMIL
         return result
     for family in families:
         print(f"models: {family} ...", flush=True)
-        result.extend(run_model(family, quick, device))
+        result.extend(run_model(family, quick, device, impls=impls))
+        if after_family is not None:
+            after_family(result)
     return result
 
 

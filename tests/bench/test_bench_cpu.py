@@ -90,6 +90,30 @@ def test_main_rejects_an_unknown_model_family(capsys):
     assert "'nope'" in out and "gemma2" in out and "llama" in out
 
 
+def test_main_rejects_an_unknown_model_implementation(capsys):
+    assert main(["bench", "models", "--impls", "sdpa,nope"]) == 2
+    out = capsys.readouterr().out
+    assert "'nope'" in out and "fused_attn_fa4" in out and "flash_attention_4" in out
+
+
+def test_models_suite_passes_its_impls_and_reports_after_each_family(monkeypatch):
+    pytest.importorskip("transformers")
+    from benchmarks import models
+    from benchmarks.runner import SuiteResult
+
+    seen, reports = [], []
+
+    def fake_run_model(family, quick, device, impls=None):
+        seen.append((family, impls))
+        return SuiteResult(rows=[{"family": family}])
+
+    monkeypatch.setattr(models, "run_model", fake_run_model)
+    got = models.run(True, torch.device("cpu"), families=("llama", "gemma2"), impls=("fused_attn", "sdpa"),
+                     after_family=lambda so_far: reports.append(len(so_far.rows)))
+    assert seen == [("llama", ("fused_attn", "sdpa")), ("gemma2", ("fused_attn", "sdpa"))]
+    assert reports == [1, 2] and len(got.rows) == 2
+
+
 def test_flops_formulas():
     full = 4.0 * 2 * 16 * 4096 * 4096 * 128
     assert attn_flops(2, 16, 4096, 4096, 128, causal=False, mode="fwd") == full
