@@ -190,8 +190,9 @@ def _memo_get(key: tuple, score_mod: Any) -> Optional[Tuple[AttentionSpec, Any]]
 
 
 def _memo_put(key: tuple, score_mod: Any, spec: AttentionSpec, mod: Any) -> None:
-    if score_mod is None:
-        _MEMO.put(key, (spec, None))
+    if score_mod is None:  # a plain entry (None's id is never reused); a normalized mod as below
+        if mod is None or mod.structure_only() is mod:
+            _MEMO.put(key, (spec, mod))
         return
     try:
         weakref.ref(score_mod)

@@ -128,6 +128,10 @@ def test_identity_guard():
     assert m.get_identity("plain", ()) is None  # not an identity entry
     info = m.info()
     assert (info.hits, info.misses) == (1, 4)
+    # peek_identity: the same answers, without the counters or the LRU refresh
+    assert m.peek_identity(key, (a, b)) == "value" and m.peek_identity(key, (a, Obj())) is None
+    assert m.peek_identity(key, (a,), "d") == "d" and m.peek_identity("plain", ()) is None
+    assert (m.info().hits, m.info().misses) == (1, 4)
     assert m.pop(key) == "value"
 
 
@@ -144,6 +148,7 @@ def test_identity_entries_hold_objects_weakly_and_miss_once_one_is_freed():
     gc.collect()
     assert ref() is None  # not pinned
     assert m.get_identity(key, (b, None)) is None  # another object under the same key: a miss
+    assert m.peek_identity(key, (b, None)) is None
     assert len(m) == 1
     m.put("other", 0)  # drops the dead entry
     assert len(m) == 1 and key not in m
@@ -321,6 +326,7 @@ def test_identity_entries_neither_serve_nor_store_during_cuda_graph_capture(monk
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     assert memo.get_identity(("k",), (cu,)) is None  # capture: recompute, do not reuse
+    assert memo.peek_identity(("k",), (cu,)) is None
     memo.put_identity(("k2",), (cu,), "captured buffers")
     capturing[0] = False
     assert memo.get_identity(("k2",), (cu,)) is None  # nothing was stored during capture

@@ -206,3 +206,18 @@ def test_plan_cache_is_thread_safe():
         t.join(timeout=60)
     assert not errors and len(cache) <= 16
     assert cache.info().hits + cache.info().misses == 4 * 2000
+
+
+def test_spec_memo_serves_the_same_spec_and_never_another_mods():
+    """The spec memo (read lock-free on every call): a repeated configuration gets the very same
+    spec; a fresh score_mod object of another value gets its own entry, never the earlier mod's."""
+    from fused_attn import spec as S
+
+    S.clear_spec_memo()
+    plain = S.resolve_spec(attn_mask_type="causal")
+    assert S.resolve_spec(attn_mask_type="causal")[0] is plain[0] and plain[1] is None
+    a, b = sm.softcap(30.0), sm.softcap(5.0)
+    got_a, got_b = S.resolve_spec(score_mod=a), S.resolve_spec(score_mod=b)
+    assert got_a[1] is a and got_b[1] is b
+    assert S.resolve_spec(score_mod=a)[1] is a and S.resolve_spec(score_mod=b)[1] is b
+    assert S.resolve_spec(window_size=[4, 0])[0].band == S.resolve_spec(window_size=(4, 0))[0].band
