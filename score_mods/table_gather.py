@@ -36,14 +36,20 @@ def _plain(t: torch.Tensor) -> bool:
             and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
 def histogram_backward_applies(table: torch.Tensor, indices: Sequence[torch.Tensor]) -> bool:
     """Whether `gather` sums `table`'s gradient as a histogram for these index tensors."""
-    if table.device.type != "cuda" or not (table.requires_grad and torch.is_grad_enabled()):
+    if not _on_cuda(table) or not (table.requires_grad and torch.is_grad_enabled()):
+        return False
+    # first, as dynamo traces this: under torch.compile (flex_attention's own, too) no question
+    # about functorch or CUDA may be asked (dynamo cannot trace them), and plain indexing is kept
+    if torch.compiler.is_compiling() or torch.are_deterministic_algorithms_enabled():
         return False
     # fake CUDA tensors exist without a CUDA runtime: rule them out before asking CUDA anything
     if table.numel() > MAX_ENTRIES or not (_plain(table) and all(_plain(i) for i in indices)):
-        return False
-    if torch.compiler.is_compiling() or torch.are_deterministic_algorithms_enabled():
         return False
     return not torch.cuda.is_current_stream_capturing()  # bincount reads its size on the host
 

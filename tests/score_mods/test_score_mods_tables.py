@@ -290,3 +290,25 @@ def test_fake_and_meta_tables_keep_plain_indexing():
             assert not table_gather.histogram_backward_applies(fake, fidx)
         out = table_gather.gather(fake, fidx)  # CPU: indexing fake CUDA tensors needs a CUDA build
         assert out.shape == (4, 7) and out.grad_fn is not None
+
+
+def test_gather_traces_under_dynamo_before_asking_anything_else(monkeypatch):
+    """flex_attention runs a score_mod under torch.compile (its eager path too): the histogram's
+    gate must say no before its functorch and CUDA questions, which dynamo cannot trace. A CPU
+    table stands in for a CUDA one (the device test is the only one patched); fullgraph makes any
+    untraceable call an error."""
+    from score_mods import table_gather
+
+    monkeypatch.setattr(table_gather, "_on_cuda", lambda t: True)
+    table = torch.randn(4, 9, requires_grad=True)
+    idx = (torch.arange(4).view(4, 1), torch.tensor([[0, 3, 8]]))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(t, i, j):
+        return table_gather.gather(t, (i, j)) * 2.0
+
+    got = traced(table, *idx)
+    got.sum().backward()
+    expected = torch.zeros(4, 9)
+    expected[:, [0, 3, 8]] = 2.0
+    assert torch.equal(got.detach(), table.detach()[idx] * 2.0) and torch.equal(table.grad, expected)
