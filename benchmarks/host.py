@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import time
 import types
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from .common import (ImplWrongError, check_tensor, host_us_interleaved, host_us_per_call, naive_attention,
+from .common import (ImplWrongError, check_tensor, host_us_per_call, host_us_rounds, naive_attention,
                      reference_and_bounds, synchronize)
 from .runner import SuiteResult
 
@@ -186,13 +186,21 @@ def _check_grads(name: str, fn: Callable[[], object], q, k, v, do) -> float:
     return worst
 
 
-def _ratio_notes(rows: List[Dict[str, object]]) -> List[str]:
+def _ratio_notes(rows: List[Dict[str, object]], rounds: Optional[Dict[tuple, List[float]]] = None) -> List[str]:
+    """The summary ratios of the best times; with `rounds` ((mode, impl) -> us per round), each
+    also gets the range of the ratio taken round by round (the interleaved rounds pair calls
+    timed close together: the run's own noise, to judge a change against)."""
     us = {(r.get("mode"), r.get("impl")): r.get("us_per_call") for r in rows if r.get("us_per_call")}
+    rounds = rounds or {}
     notes = []
 
     def ratio(label, a, b):
         if us.get(a) and us.get(b):
-            notes.append(f"{label}: {us[a] / us[b]:.2f}x ({us[a]:.1f} / {us[b]:.1f} us)")
+            text = f"{label}: {us[a] / us[b]:.2f}x ({us[a]:.1f} / {us[b]:.1f} us)"
+            if rounds.get(a) and rounds.get(b):
+                each = [x / y for x, y in zip(rounds[a], rounds[b])]
+                text += f"; round by round {min(each):.2f}x-{max(each):.2f}x"
+            notes.append(text)
 
     ratio("fwd host, functional vs the frontend's bare ordered execute", ("fwd", "fused_attn functional"),
           ("fwd", "raw_cudnn execute (tensor_uids)"))
@@ -314,7 +322,7 @@ def _persistent_rows(device, gen) -> List[Dict[str, object]]:
 def run(quick: bool, device: torch.device) -> SuiteResult:
     """Host overhead rows and build-time rows (order matters: run this suite first in a process)."""
     result = SuiteResult(notes=["us_per_call: host time, perf_counter over N back-to-back calls, one sync after; "
-                                "best of 5 rounds that interleave the rows",
+                                "best of 5 rounds that interleave the rows (us_rounds: each round's)",
                                 "build rows: first call on a new shape after graph_cache.clear(); "
                                 "'first' is the first build of the process only when this suite runs first"])
     calls = 500 if quick else 2000
@@ -343,8 +351,10 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
             continue
         del expected
         timed[name], fwd_rows[name] = fn, row
-    for name, us in host_us_interleaved(timed, device, calls).items():
-        fwd_rows[name]["us_per_call"] = us
+    rounds: Dict[tuple, List[float]] = {}
+    for name, times in host_us_rounds(timed, device, calls).items():
+        fwd_rows[name].update(us_per_call=min(times), us_rounds=" ".join(f"{t:.1f}" for t in times))
+        rounds[("fwd", name)] = times
     fwd_bwds, (qg, kg, vg, do) = _fwd_bwds(device, gen)
     timed, bwd_rows = {}, {}
     for name, fn in fwd_bwds.items():
@@ -364,9 +374,10 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
             row["note"] = f"FAILED: {type(exc).__name__}: {exc}"
             continue
         timed[name], bwd_rows[name] = fn, row
-    for name, us in host_us_interleaved(timed, device, calls // 2).items():
-        bwd_rows[name]["us_per_call"] = us
-    result.notes.extend(_ratio_notes(result.rows))
+    for name, times in host_us_rounds(timed, device, calls // 2).items():
+        bwd_rows[name].update(us_per_call=min(times), us_rounds=" ".join(f"{t:.1f}" for t in times))
+        rounds[("fwd+bwd", name)] = times
+    result.notes.extend(_ratio_notes(result.rows, rounds))
     if device.type == "cuda":
         import fused_attn
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List
 
 import torch
 
@@ -124,13 +124,20 @@ def _sleep_cycles_per_ms() -> float:
     return 2_000_000 / max(start.elapsed_time(end), 1e-3)
 
 
-def host_us_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, calls: int = 2000,
-                        rounds: int = 5) -> Dict[str, float]:
-    """Host microseconds per call of each of `fns`, best of `rounds` interleaved rounds (each round
-    times every fn over `calls` back-to-back calls, one synchronize after): a slow spell of a
-    shared host then disturbs one round of every row, not every round of one row."""
-    best = {name: float("inf") for name in fns}
+def host_us_rounds(fns: Dict[str, Callable[[], object]], device: torch.device, calls: int = 2000,
+                   rounds: int = 5) -> Dict[str, List[float]]:
+    """Host microseconds per call of each of `fns` in each of `rounds` interleaved rounds (each
+    round times every fn over `calls` back-to-back calls, one synchronize after): a slow spell of
+    a shared host then disturbs one round of every row, not every round of one row, and a ratio
+    of two rows taken round by round shows the run's own noise."""
+    spent: Dict[str, List[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            best[name] = min(best[name], host_us_per_call(fn, device, calls))
-    return best
+            spent[name].append(host_us_per_call(fn, device, calls))
+    return spent
+
+
+def host_us_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, calls: int = 2000,
+                        rounds: int = 5) -> Dict[str, float]:
+    """Host microseconds per call of each of `fns`: the best of `host_us_rounds`."""
+    return {name: min(times) for name, times in host_us_rounds(fns, device, calls, rounds).items()}

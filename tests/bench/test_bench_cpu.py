@@ -278,14 +278,25 @@ def test_host_run_fails_on_a_wrong_forward(monkeypatch):
 
     monkeypatch.setattr(host, "_forwards", forwards)
     timed = []
-    monkeypatch.setattr(host, "host_us_interleaved",  # the check, not the timing
-                        lambda fns, device, calls: timed.append(list(fns)) or {name: 1.0 for name in fns})
+    monkeypatch.setattr(host, "host_us_rounds",  # the check, not the timing
+                        lambda fns, device, calls: timed.append(list(fns)) or {name: [1.0, 1.5] for name in fns})
     monkeypatch.setattr(host, "_build_rows", lambda device: [])
     res = host.run(True, torch.device("cpu"))
     assert len(res.failures) == 1 and res.failures[0].startswith("host / fused_attn functional: out max abs error")
     row = next(r for r in res.rows if r["mode"] == "fwd" and r["impl"] == "fused_attn functional")
     assert row["us_per_call"] is None and row["note"].startswith("WRONG") and row["max_err"] > row["bound"]
     assert "fused_attn functional" not in timed[0] and "fused_attn module" in timed[0]  # the forward rows
+
+
+def test_host_ratio_notes_give_the_round_by_round_range():
+    rows = [{"mode": "fwd", "impl": "fused_attn functional", "us_per_call": 22.0},
+            {"mode": "fwd", "impl": "raw_cudnn execute (tensor_uids)", "us_per_call": 16.0}]
+    rounds = {("fwd", "fused_attn functional"): [22.0, 30.0, 24.0],
+              ("fwd", "raw_cudnn execute (tensor_uids)"): [16.0, 20.0, 24.0]}
+    note = host._ratio_notes(rows, rounds)[0]
+    assert note.startswith("fwd host, functional vs the frontend's bare ordered execute: 1.38x (22.0 / 16.0 us)")
+    assert note.endswith("round by round 1.00x-1.50x")
+    assert "round by round" not in host._ratio_notes(rows)[0]
 
 
 def test_group_ratios_and_peak():
