@@ -84,6 +84,17 @@ def capturing(objects: tuple) -> bool:
     return False
 
 
+def _holds(entry: Any, objects: tuple) -> bool:
+    """Whether `entry` is an identity entry of the very same objects: element-wise `is`, never
+    `==` (tensors compare element-wise); a plain loop (a hit is on every call's path)."""
+    if type(entry) is not _Pinned or len(entry.objects) != len(objects):
+        return False
+    for held, obj in zip(entry.objects, objects):
+        if held() is not obj:
+            return False
+    return True
+
+
 class BoundedMemo(Generic[K, V]):
     """Bounded LRU map, safe under threads; evicts the least recently used entry past `maxsize`.
 
@@ -160,28 +171,19 @@ class BoundedMemo(Generic[K, V]):
 
         Identity entries are read with this method only: plain `get` returns them wrapped.
         Always a miss during CUDA graph capture (module docstring)."""
-        for obj in objects:  # `capturing(objects)`, with no call unless a CUDA tensor is among them
-            if isinstance(obj, torch.Tensor) and obj.is_cuda:
-                if capturing((obj,)):
-                    with self._lock:
-                        self._misses += 1
-                    return default
-                break
+        if capturing(objects):
+            with self._lock:
+                self._misses += 1
+            return default
         lock = self._lock
         lock.acquire()
         try:
             data = self._data
             entry = data.get(key, _MISSING)
-            if type(entry) is _Pinned:
-                stored = entry.objects  # element-wise `is`, never `==` (tensors compare element-wise)
-                if len(stored) == len(objects):
-                    for held, obj in zip(stored, objects):
-                        if held() is not obj:
-                            break
-                    else:
-                        data.move_to_end(key)
-                        self._hits += 1
-                        return entry.value
+            if _holds(entry, objects):
+                data.move_to_end(key)
+                self._hits += 1
+                return entry.value
             self._misses += 1
             return default
         finally:
@@ -191,21 +193,10 @@ class BoundedMemo(Generic[K, V]):
         """`get_identity` without the lock, the LRU refresh or the counters (as `peek` is to
         `get`): for hot paths whose entries are cheap to remake. Always a miss during CUDA graph
         capture (module docstring)."""
-        for obj in objects:
-            if isinstance(obj, torch.Tensor) and obj.is_cuda:
-                if capturing((obj,)):
-                    return default
-                break
+        if capturing(objects):
+            return default
         entry = self._data.get(key, _MISSING)
-        if type(entry) is not _Pinned:
-            return default
-        stored = entry.objects
-        if len(stored) != len(objects):
-            return default
-        for held, obj in zip(stored, objects):
-            if held() is not obj:
-                return default
-        return entry.value
+        return entry.value if _holds(entry, objects) else default
 
     def get_or_create(self, key: K, factory: Callable[[], V]) -> V:
         """The value for `key`, or `factory()` stored under it on a miss.

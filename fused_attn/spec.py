@@ -190,16 +190,15 @@ def _memo_get(key: tuple, score_mod: Any) -> Optional[Tuple[AttentionSpec, Any]]
 
 
 def _memo_put(key: tuple, score_mod: Any, spec: AttentionSpec, mod: Any) -> None:
-    if score_mod is None:  # a plain entry (None's id is never reused); a normalized mod as below
-        if mod is None or mod.structure_only() is mod:
-            _MEMO.put(key, (spec, mod))
+    if mod is not score_mod and mod is not None and mod.structure_only() is not mod:
+        return  # a normalized mod holding tensors: not memoized
+    if score_mod is None:  # a plain entry: None's id is never reused
+        _MEMO.put(key, (spec, mod))
         return
     try:
         weakref.ref(score_mod)
     except TypeError:
         return  # not weakly referenceable: not memoized (the memo would keep it alive)
-    if mod is not score_mod and mod is not None and mod.structure_only() is not mod:
-        return  # a normalized mod holding tensors: not memoized
     _MEMO.put_identity(key, (score_mod,), (spec, stored_mod(mod, score_mod)))
 
 

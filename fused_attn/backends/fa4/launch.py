@@ -35,7 +35,7 @@ __all__ = ["Launch", "Host", "signature", "record", "launch", "lookup", "store",
 
 #: positions of the call's own tensors in `own` (the order `record` / `launch` take them)
 OWN_NAMES = ("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "learnable_sink")
-_OUT, _LSE = 3, 4
+_OUT, _LSE = OWN_NAMES.index("out"), OWN_NAMES.index("lse")
 
 
 class _Slot(NamedTuple):
@@ -77,13 +77,18 @@ def _meta(t: Optional[torch.Tensor]) -> Any:
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
+def _view(t: torch.Tensor) -> tuple:
+    """(data pointer, metadata): two arguments with equal views are one and the same view."""
+    return (t.data_ptr(), _meta(t))
+
+
 def signature(own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[Sequence[torch.Tensor]],
               aux_scalars: Optional[tuple], constants: tuple) -> tuple:
     """What fixes FA4's host path for a call: each own and aux tensor's metadata, which own
     tensors are one and the same view (q is k in self-attention), the aux scalars' types and
     the call's other arguments (`constants`: scale, causal, window, max_seqlen, ...)."""
-    metas = tuple(_meta(t) for t in own)
-    views = tuple(None if t is None else (t.data_ptr(), m) for t, m in zip(own, metas))
+    views = tuple(None if t is None else _view(t) for t in own)
+    metas = tuple(None if v is None else v[1] for v in views)
     aliasing = tuple(None if v is None else views.index(v) for v in views)
     aux = None if aux_tensors is None else tuple(_meta(t) for t in aux_tensors)
     scalar_types = None if aux_scalars is None else tuple(type(s) for s in aux_scalars)
@@ -141,10 +146,6 @@ def _constant(x: Any) -> bool:
     if type(x) is tuple:
         return all(_constant(e) for e in x)
     return _is_cute_scalar(x)
-
-
-def _view(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def record(run: Callable[[], Any], own: Sequence[Optional[torch.Tensor]],
