@@ -151,10 +151,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name in progress(SUITES if args.suite == "all" else (args.suite,), desc="bench suites"):
         try:
             if name == "models":
-                from .models import BENCH_FAMILIES, run as run_models
+                from .models import run as run_models
 
                 results[name] = run_models(
-                    args.quick, device, families=families or BENCH_FAMILIES, impls=impls,
+                    args.quick, device, families=families, impls=impls,
                     after_family=lambda so_far: _report("models", so_far, env, args.out, show=False))
             else:
                 results[name] = _suite_runner(name)(args.quick, device)

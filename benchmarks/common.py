@@ -21,7 +21,7 @@ import torch
 
 from .checks import (CHECK_RULE, REF_BLOCK_SCORES, Impl, ImplWrongError, check_impl, check_tensor,  # noqa: F401
                      naive_attention, reference_and_bounds, worst_error)
-from .timing import (device_ms_per_call, host_us_interleaved, host_us_launching, host_us_per_call, host_us_rounds,  # noqa: F401
+from .timing import (device_ms_per_call, host_us_launching, host_us_per_call, host_us_rounds,  # noqa: F401
                      synchronize, time_ms)
 
 #: bf16 dense matmul throughput measured on the H100 (TFLOP/s); the "% of peak" denominator.

@@ -319,6 +319,15 @@ def _persistent_rows(device, gen) -> List[Dict[str, object]]:
     return rows
 
 
+def _time_rows(timed: Dict[str, Callable[[], object]], rows: Dict[str, Dict[str, object]], mode: str,
+               device: torch.device, calls: int, rounds: Dict[tuple, List[float]]) -> None:
+    """Time `timed` in interleaved rounds: each row gets its best (us_per_call) and every round
+    (us_rounds); `rounds[(mode, name)]` keeps the numbers for the ratio notes."""
+    for name, times in host_us_rounds(timed, device, calls).items():
+        rows[name].update(us_per_call=min(times), us_rounds=" ".join(f"{t:.1f}" for t in times))
+        rounds[(mode, name)] = times
+
+
 def run(quick: bool, device: torch.device) -> SuiteResult:
     """Host overhead rows and build-time rows (order matters: run this suite first in a process)."""
     result = SuiteResult(notes=["us_per_call: host time, perf_counter over N back-to-back calls, one sync after; "
@@ -352,9 +361,7 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
         del expected
         timed[name], fwd_rows[name] = fn, row
     rounds: Dict[tuple, List[float]] = {}
-    for name, times in host_us_rounds(timed, device, calls).items():
-        fwd_rows[name].update(us_per_call=min(times), us_rounds=" ".join(f"{t:.1f}" for t in times))
-        rounds[("fwd", name)] = times
+    _time_rows(timed, fwd_rows, "fwd", device, calls, rounds)
     fwd_bwds, (qg, kg, vg, do) = _fwd_bwds(device, gen)
     timed, bwd_rows = {}, {}
     for name, fn in fwd_bwds.items():
@@ -374,9 +381,7 @@ def run(quick: bool, device: torch.device) -> SuiteResult:
             row["note"] = f"FAILED: {type(exc).__name__}: {exc}"
             continue
         timed[name], bwd_rows[name] = fn, row
-    for name, times in host_us_rounds(timed, device, calls // 2).items():
-        bwd_rows[name].update(us_per_call=min(times), us_rounds=" ".join(f"{t:.1f}" for t in times))
-        rounds[("fwd+bwd", name)] = times
+    _time_rows(timed, bwd_rows, "fwd+bwd", device, calls // 2, rounds)
     result.notes.extend(_ratio_notes(result.rows, rounds))
     if device.type == "cuda":
         import fused_attn

@@ -189,10 +189,11 @@ def loss_rows(family: str, label: str, curves: Dict[str, List[float]], every: in
              **{impl: (v[i] if i < len(v) else None) for impl, v in curves.items()}} for i in steps]
 
 
-def run(quick: bool, device: torch.device, families: Sequence[str] = BENCH_FAMILIES,
+def run(quick: bool, device: torch.device, families: Optional[Sequence[str]] = None,
         impls: Optional[Sequence[str]] = None,
         after_family: Optional[Callable[[SuiteResult], None]] = None) -> SuiteResult:
-    """The `models` suite (see the module docstring). impls: a subset of `default_impls(device)`
+    """The `models` suite (see the module docstring). families: None for BENCH_FAMILIES; impls: a
+    subset of `default_impls(device)`
     (None: all); after_family(result so far) runs after each family (the CLI writes its files
     there, so a run cut short keeps the families it finished)."""
     result = SuiteResult(notes=[
@@ -207,7 +208,7 @@ def run(quick: bool, device: torch.device, families: Sequence[str] = BENCH_FAMIL
         result.notes.append("transformers is not installed: pip install -e '.[hf]' from the checkout")
         print("models suite: transformers is not installed (pip install -e '.[hf]' from the checkout); skipped")
         return result
-    for family in families:
+    for family in families or BENCH_FAMILIES:
         print(f"models: {family} ...", flush=True)
         result.extend(run_model(family, quick, device, impls=impls))
         if after_family is not None:

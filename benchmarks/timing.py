@@ -136,8 +136,3 @@ def host_us_rounds(fns: Dict[str, Callable[[], object]], device: torch.device, c
             spent[name].append(host_us_per_call(fn, device, calls))
     return spent
 
-
-def host_us_interleaved(fns: Dict[str, Callable[[], object]], device: torch.device, calls: int = 2000,
-                        rounds: int = 5) -> Dict[str, float]:
-    """Host microseconds per call of each of `fns`: the best of `host_us_rounds`."""
-    return {name: min(times) for name, times in host_us_rounds(fns, device, calls, rounds).items()}
