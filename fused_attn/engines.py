@@ -226,10 +226,12 @@ def traced_choice(backend: str, device_type: str, dtype: torch.dtype, head_dim: 
     return "reference"
 
 
-def route(spec: Any, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor], sig: tuple) -> Any:
-    """The engine's own way to serve this dense call (cuDNN: rectangles of a band), as a callable
-    `run(spec, mod, query, key, value, sinks)`, or a plan (`planning`), or None for the plain path."""
-    name = "cudnn" if spec.backend == "auto" else spec.backend
+def route(name: str, spec: Any, mod: Any, query: Any, key: Any, value: Any, sinks: Optional[torch.Tensor],
+          sig: tuple) -> Any:
+    """Engine `name`'s own way to serve this dense call (cuDNN: rectangles of a band), as a
+    callable `run(spec, mod, query, key, value, sinks)`, or a plan (`planning`), or None for the
+    plain path. `name`: the engine that serves the call (`plan.routed_engine`: for
+    backend='auto', the one `choose` picks)."""
     try:
         engine = get(name)
     except NotImplementedError:

@@ -15,7 +15,8 @@ from . import abstract, engines, extensions
 from .length_checks import derive_max_seqlens
 from .autograd import attention
 from .key_range import trim_unattended_keys
-from .plan import NO_VARLEN, CallPlan, Explanation, Varlen, call_signature, check_values, explain_plan, get_plan
+from .plan import (NO_VARLEN, CallPlan, Explanation, Varlen, call_signature, check_values, explain_plan, get_plan,
+                   routed_engine)
 from .spec import AttentionSpec, resolve_spec
 
 __all__ = ["dot_product_attention", "explain", "run_spec", "run_call", "attention_forward", "attention_backward"]
@@ -171,7 +172,8 @@ def run_spec(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, va
         # one lookup either way
         sig = call_signature(spec, query, key, value, varlen, mod, sinks)
         if sig is not None:
-            how = engines.route(spec, mod, query, key, value, sinks, sig)
+            engine = routed_engine(spec, mod, query, key, value, sinks, sig)
+            how = engines.route(engine, spec, mod, query, key, value, sinks, sig)
             if type(how) is CallPlan:
                 return _run_plan(spec, mod, query, key, value, varlen, sinks, how)
             if how is not None:

@@ -132,11 +132,36 @@ def _bucket_arg(n: Any) -> Any:
 PLANS = BoundedMemo(512, "plan.plans")
 
 
+#: backend='auto' dense calls: the engine `engines.choose` picks, by call signature (`routed_engine`).
+ROUTED = BoundedMemo(512, "plan.routed")
+
+
 def clear_plans() -> None:
-    """Drop every call plan, and the engines' own memos that hold plans (the cuDNN band
-    rectangles' routes); the graph cache keeps its graphs."""
+    """Drop every call plan and routed choice, and the engines' own memos that hold plans (the
+    cuDNN band rectangles' routes); the graph cache keeps its graphs."""
     PLANS.clear()
+    ROUTED.clear()
     engines.clear_memos()
+
+
+def routed_engine(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, sinks: Optional[torch.Tensor],
+                  sig: tuple) -> str:
+    """The engine whose own way to serve a call (`engines.route`) applies to this dense call of
+    signature `sig`: the requested backend, or for backend='auto' the engine `engines.choose`
+    picks from the call's metadata, the same choice as the plain path's plan (memoized per
+    signature). So a call that auto gives to another engine never takes cuDNN's route."""
+    if spec.backend != "auto":
+        return spec.backend
+    name = ROUTED.peek(sig)
+    if name is None:
+        plan = PLANS.peek(sig)
+        if plan is not None:
+            name = plan.backend
+        else:
+            problem = _static_problem(_plan_spec(spec, mod), mod, q, k, v, NO_VARLEN, sinks)
+            name = engines.choose(problem, build=False)[0]
+        ROUTED.put(sig, name)
+    return name
 
 
 def call_signature(spec: AttentionSpec, q: Any, k: Any, v: Any, varlen: Varlen, mod: Any,
@@ -215,14 +240,19 @@ def _aligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return True
 
 
+def _plan_spec(spec: AttentionSpec, mod: Any) -> AttentionSpec:
+    """The spec a plan keeps: a runner takes its graphs' operand shapes and structural values
+    (a native band) from spec.score_mod, so that is this call's mod, without its data (the plan
+    outlives the call; under torch.compile the spec holds the registry's template, whose tensor
+    parameters are stand-ins of another shape)."""
+    if mod is not None and mod.cache_key == spec.score_mod_key:
+        return dataclasses.replace(spec, score_mod=frozen_template(mod))
+    return spec
+
+
 def _make_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: Varlen,
                sinks: Optional[torch.Tensor], force_grad: bool = False) -> CallPlan:
-    if mod is not None and mod.cache_key == spec.score_mod_key:
-        # A runner takes its graphs' operand shapes and structural values (a native band) from
-        # spec.score_mod: make that this call's mod, without its data (the plan outlives the
-        # call; under torch.compile the spec holds the registry's template, whose tensor
-        # parameters are stand-ins of another shape).
-        spec = dataclasses.replace(spec, score_mod=frozen_template(mod))
+    spec = _plan_spec(spec, mod)
     problem = _static_problem(spec, mod, q, k, v, varlen, sinks, force_grad)
     backend, reason, runner = engines.choose(problem)
     if backend == "reference" and problem.device.type == "cuda" and spec.backend == "auto":

@@ -133,3 +133,37 @@ def test_register_checks_and_unregister_restores():
     with pytest.raises(ValueError, match="backend='stub'"):
         fused_attn.dot_product_attention(q, k, v, backend="stub")
     assert fused_attn.explain(q, k, v).backend != "stub"
+
+
+def test_an_engines_own_route_applies_only_where_auto_chooses_that_engine(stub):
+    """backend='auto' takes an engine's own way to serve a dense call (cuDNN: rectangles of a
+    band) only when that engine is the one auto chooses for the call, the same choice as the
+    plain path's plan and explain(): a call auto gives to another engine never takes cuDNN's
+    route (it did: a causal + softcap call ran cuDNN's rectangles where auto had chosen FA4)."""
+    from score_mods import softcap
+
+    from fused_attn import plan as P
+    from fused_attn.spec import resolve_spec
+    from fused_attn.static import NO_VARLEN
+
+    routed = []
+    stub.route = lambda *args: routed.append(args) or None  # the stub's own way: run the plain plan
+    spec, mod = resolve_spec(score_mod=softcap(5.0), attn_mask_type="causal")
+    assert spec.may_cut_band
+    P.clear_plans()
+    for dtype, stub_chosen in ((torch.float32, True), (torch.float64, False)):  # the stub takes float32 only
+        q, k, v = _qkv(dtype)
+        sig = P.call_signature(spec, q, k, v, NO_VARLEN, mod, None)
+        name = P.routed_engine(spec, mod, q, k, v, None, sig)
+        assert name == fused_attn.explain(q, k, v, score_mod=softcap(5.0), attn_mask_type="causal").backend
+        assert (name == "stub") is stub_chosen
+        assert P.ROUTED.peek(sig) == name  # decided once per signature
+        before = len(routed)
+        assert engines.route(name, spec, mod, q, k, v, None, sig) is None
+        assert len(routed) == before + stub_chosen  # the stub's route runs only for the call auto gives it
+    forced, _ = resolve_spec(score_mod=softcap(5.0), attn_mask_type="causal", backend="reference")
+    q, k, v = _qkv()
+    assert P.routed_engine(forced, mod, q, k, v, None, P.call_signature(forced, q, k, v, NO_VARLEN, mod, None)) \
+        == "reference"
+    P.clear_plans()
+    assert len(P.ROUTED) == 0
