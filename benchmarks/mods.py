@@ -16,6 +16,8 @@ from .common import Impl, attn_flops, check_impl, naive_attention, reference_and
 from .runner import SuiteResult, run_config
 
 B, H, S, D = 2, 16, 4096, 128
+#: T5's head dim (d_kv of t5-small / base / large): the T5 case also runs at it
+T5_HEAD_DIM = 64
 REF_SCORES = 1 << 28
 _FLEX = {}
 
@@ -257,18 +259,32 @@ def run(quick: bool, device: torch.device, *, shape=(B, H, S, D), with_flex: boo
                                 "checked against the float64 reference on batch 0, heads [0, hs) with "
                                 "hs * S^2 <= 2^28 (all heads at S=4096)"])
     for case in cases(device, b, h, s):
-        impls = [_impl(name, _fused_fn(kw, backend), q, k, v, do, True, case.trained)
-                 for name, kw in case.fused_kwargs().items()]
-        if with_flex and (case.flex_score is not None or case.flex_causal or case.mask_fn is not None):
-            impls.append(_impl("flex_compiled", _flex_fn(case, device, b, s), q, k, v, do, False, case.trained))
-        hs_case = _checked_heads(case, b, h, s)
-        expected, bounds = reference_and_bounds(lambda dt: _reference(q, k, v, do, case, hs_case, dt), q.dtype)
-        flops = {m: attn_flops(b, h, s, s, d, causal=case.causal, mode=m) for m in ("fwd", "fwd_bwd")}
-        config = f"{case.name} B{b} H{h} S{s} D{d}"
-        if case.note:
-            result.notes.append(f"{config}: {case.note}")
-        result.extend(run_config("mods", config, impls, expected, bounds, _select(case, hs_case), flops, device,
-                                 rep_ms=40.0 if quick else 80.0))
-        del expected
+        _run_case(result, case, (q, k, v, do), backend, with_flex, quick)
+    if d != T5_HEAD_DIM:  # T5's own head dim (d_kv 64), where compiled flex also builds the table's gradient
+        inputs = _inputs(device, b, h, s, T5_HEAD_DIM, seed=7)
+        for case in cases(device, b, h, s):
+            if case.name.startswith("T5"):
+                _run_case(result, case, inputs, backend, with_flex, quick)
+        del inputs
     result.extend(_softcap_rebuild_check(q, k, v, do, hs, backend, select))
     return result
+
+
+def _run_case(result: SuiteResult, case: ModCase, inputs: tuple, backend: str, with_flex: bool, quick: bool) -> None:
+    """One case's rows (fused_attn, and compiled flex where it has a score_mod) on `inputs`
+    (q, k, v, do in BSHD), checked against float64 before timing."""
+    q, k, v, do = inputs
+    b, s, h, d = q.shape
+    device = q.device
+    impls = [_impl(name, _fused_fn(kw, backend), q, k, v, do, True, case.trained)
+             for name, kw in case.fused_kwargs().items()]
+    if with_flex and (case.flex_score is not None or case.flex_causal or case.mask_fn is not None):
+        impls.append(_impl("flex_compiled", _flex_fn(case, device, b, s), q, k, v, do, False, case.trained))
+    hs_case = _checked_heads(case, b, h, s)
+    expected, bounds = reference_and_bounds(lambda dt: _reference(q, k, v, do, case, hs_case, dt), q.dtype)
+    flops = {m: attn_flops(b, h, s, s, d, causal=case.causal, mode=m) for m in ("fwd", "fwd_bwd")}
+    config = f"{case.name} B{b} H{h} S{s} D{d}"
+    if case.note:
+        result.notes.append(f"{config}: {case.note}")
+    result.extend(run_config("mods", config, impls, expected, bounds, _select(case, hs_case), flops, device,
+                             rep_ms=40.0 if quick else 80.0))
