@@ -185,11 +185,9 @@ def _template(launches: list, own: Sequence[Optional[torch.Tensor]], aux_tensors
                 return Host(f"FA4 launched with a tensor of its own making {tuple(a.shape)} {a.dtype} "
                             "(scheduler metadata or split-KV partials)")
         elif type(a) is aux_kind:
-            tensors = a.tensors or []
-            if len(tensors) != len(aux_tensors or []) or any(x is not y for x, y in zip(tensors, aux_tensors or [])):
+            if not _identical(a.tensors, aux_tensors):
                 return Host("FA4 launched with aux tensors that are not the call's own")
-            scalars = tuple(a.scalars or ())
-            if len(scalars) != len(aux_scalars or ()) or any(x is not y for x, y in zip(scalars, aux_scalars or ())):
+            if not _identical(a.scalars, aux_scalars):
                 return Host("FA4 launched with aux scalars that are not the call's own")
             arguments.append(_AuxSlot(aux_kind))
         elif _constant(a):
@@ -200,6 +198,12 @@ def _template(launches: list, own: Sequence[Optional[torch.Tensor]], aux_tensors
     if not {_OUT, _LSE} <= slots:
         return Host("FA4's kernel does not write the call's out and lse buffers")
     return Launch(kernel, tuple(arguments))
+
+
+def _identical(got: Optional[Sequence[Any]], own: Optional[Sequence[Any]]) -> bool:
+    """Element-wise `is` (never `==`: tensors compare element-wise); None counts as empty."""
+    got, own = tuple(got or ()), tuple(own or ())
+    return len(got) == len(own) and all(x is y for x, y in zip(got, own))
 
 
 def launch(entry: Launch, own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],

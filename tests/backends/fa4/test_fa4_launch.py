@@ -189,3 +189,17 @@ def test_lookup_keys_each_runner_apart(fake):
     a, b = launch.new_owner(), launch.new_owner()
     launch.store(a, sig, launch.Host("test"))
     assert launch.lookup(a, sig) == launch.Host("test") and launch.lookup(b, sig) is None
+
+
+@pytest.mark.parametrize("which", ["tensors", "scalars"])
+def test_aux_data_that_is_not_the_calls_own_keeps_the_signature_on_fa4s_path(fake, which):
+    """The recording compares FA4's aux data with the call's by identity: an equal copy is not the
+    call's own (a replay would pass the call's), so the signature stays on FA4's path."""
+    q, k, v, out, lse = _tensors(0)
+    table, scalars = [torch.randn(5)], (1.5,)
+    copied = ([table[0].clone()], scalars) if which == "tensors" else (table, (torch.tensor(1.5).item(),))
+    entry = launch.record(_call(fake, q, k, v, out, lse, aux_tensors=copied[0], aux_scalars=copied[1]),
+                          _own(q, k, v, out, lse), table, scalars)
+    assert type(entry) is launch.Host and f"aux {which} that are not the call's own" in entry.why
+    assert type(launch.record(_call(fake, q, k, v, out, lse, aux_tensors=table, aux_scalars=scalars),
+                              _own(q, k, v, out, lse), table, scalars)) is launch.Launch
