@@ -239,6 +239,45 @@ def test_first_call_with_a_warm_kernel_directory(tmp_path):
     assert warm < cold / 4, (cold, warm)
 
 
+def test_a_capture_after_fa4s_first_calls_survives_a_garbage_collection():
+    """FA4's first calls compile kernels (CuTe DSL), whose executors unload their CUDA libraries
+    when they are freed, and a library unload is a call a global-mode CUDA graph capture forbids,
+    from any thread. Whatever those first calls leave in reference cycles is freed by some later
+    garbage-collection pass, which may run inside a user's capture: the capture must survive one.
+    In a fresh process (the first calls and a context that may break stay there): thd and dense
+    fwd+bwd on FA4, then a cuDNN forward captured with a collection inside, replayed, and compared
+    with the same forward run eagerly."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, torch, fused_attn\n"
+        "q = torch.randn(512, 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "cu = torch.tensor([0, 100, 300, 512], dtype=torch.int32, device='cuda')\n"
+        "fused_attn.dot_product_attention(q, q, q, qkv_format='thd', cu_seqlens_q=cu, cu_seqlens_kv=cu, "
+        "max_seqlen_q=256, max_seqlen_kv=256, backend='fa4').sum().backward()\n"
+        "x = torch.randn(2, 256, 4, 64, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "fused_attn.dot_product_attention(x, x, x, attn_mask_type='causal', backend='fa4').sum().backward()\n"
+        "torch.cuda.synchronize()\n"
+        "y = torch.randn(2, 256, 4, 64, device='cuda', dtype=torch.bfloat16)\n"
+        "step = lambda: fused_attn.dot_product_attention(y, y, y, backend='cudnn')\n"
+        "side = torch.cuda.Stream(); side.wait_stream(torch.cuda.current_stream())\n"
+        "with torch.cuda.stream(side):\n"
+        "    eager = step(); step()\n"
+        "torch.cuda.current_stream().wait_stream(side)\n"
+        "graph = torch.cuda.CUDAGraph()\n"
+        "with torch.cuda.graph(graph):\n"
+        "    out = step()\n"
+        "    gc.collect()\n"
+        "graph.replay(); torch.cuda.synchronize()\n"
+        "print('replay equal', torch.equal(out, eager))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-4:])
+    assert proc.returncode == 0, f"the capture did not survive a collection after FA4's first calls: {tail[:600]}"
+    assert proc.stdout.split()[-1] == "True", f"the replayed forward differs from the eager one: {tail[:300]}"
+
+
 def test_backward_with_a_given_lse_matches_the_reference():
     """attention_backward (a context-parallel piece's backward) on FA4 with a given output and lse,
     rows that see no key at all (lse -inf) included: Sq 256 > Skv 128 under a bottom-right causal
