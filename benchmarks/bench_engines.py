@@ -6,7 +6,8 @@ same configuration (B=1, S/4: the float64 scores of the full size do not fit), w
 project's bound (`fused_attn.testing.bound_from`); a wrong one is reported and not timed. Then,
 forward and forward + backward, three numbers per implementation:
     gpu_ms   device time per call, the host kept ahead (`device_ms_per_call`)
-    wall_ms  wall time per step over back-to-back steps, one synchronize at the end
+    wall_ms  wall time per step over back-to-back steps, one synchronize at the end, the median of
+             rounds in which the implementations take turns (`wall_rounds`)
     host_us  host time per call while the GPU works behind it (`host_us_launching`)
 
     python -m fused_attn bench engines [--write-table] [--quick] [--out DIR]
@@ -27,7 +28,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -186,7 +187,14 @@ def check(fam: Family, impls: Dict[str, Callable]) -> Dict[str, str]:
     return status
 
 
-def measure(fn: Callable, args, dout, grad: bool) -> Dict[str, float]:
+#: wall time: rounds in which every implementation takes its turn, steps per turn (`wall_rounds`)
+WALL_ROUNDS, WALL_STEPS = 5, 20
+
+
+def prepare(fn: Callable, args, dout, grad: bool) -> Tuple[Callable[[], None], Dict[str, float]]:
+    """(step, costs): one step (forward, or forward + backward) of `fn` on `args`; costs holds
+    its first call (kernel compile / graph build, reported apart), host time per call while the
+    GPU works behind it and device time per call, each measured after three warm steps."""
     q, k, v, sinks, extra = args
     dev = torch.device("cuda")
     if grad:
@@ -202,7 +210,7 @@ def measure(fn: Callable, args, dout, grad: bool) -> Dict[str, float]:
             with torch.no_grad():
                 fn(q, k, v, sinks, extra)
     t0 = time.perf_counter()
-    step()  # first call (kernel compile / graph build) reported separately
+    step()
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
     for _ in range(3):
@@ -210,14 +218,25 @@ def measure(fn: Callable, args, dout, grad: bool) -> Dict[str, float]:
     torch.cuda.synchronize()
     host = host_us_launching(step, dev, calls=10)
     gpu = device_ms_per_call(step, dev, host, calls=10)
-    n = 20
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / n
-    return dict(gpu_ms=gpu, wall_ms=wall, host_us=host, first_ms=first_ms)
+    return step, dict(gpu_ms=gpu, host_us=host, first_ms=first_ms)
+
+
+def wall_rounds(steps: Dict[Tuple[str, bool], Callable[[], None]], rounds: int = WALL_ROUNDS,
+                n: int = WALL_STEPS) -> Dict[Tuple[str, bool], Tuple[float, float]]:
+    """Wall time per step, ms, over `n` back-to-back steps and one synchronize, in `rounds` rounds in
+    which every step takes its turn (a slow stretch of the host, a clock change or a collection pass
+    lands on all alike): key -> (median over rounds, (max - min) / median)."""
+    got: Dict[Tuple[str, bool], List[float]] = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            torch.cuda.synchronize()
+            got[key].append((time.perf_counter() - t0) * 1e3 / n)
+    medians = {key: sorted(times)[len(times) // 2] for key, times in got.items()}
+    return {key: (m, (max(got[key]) - min(got[key])) / m) for key, m in medians.items()}
 
 
 def family_key(fam: Family, q, k, v, sinks, extra, grad: bool):
@@ -234,7 +253,8 @@ def write_markdown(rows: List[dict], path: str, header: str) -> None:
     """Per family: fused_attn auto against the best peer of the same run, GPU time and wall time
     per step, forward and forward + backward (ratio = peer / ours: above 1, ours is faster)."""
     lines = [f"# Engines and peers: {header}", "",
-             "Times in ms per call (GPU: device time; wall: per step, back-to-back steps). Ratio = best peer / "
+             "Times in ms per call (GPU: device time; wall: per step, back-to-back steps, the median of "
+             f"{WALL_ROUNDS} rounds in which the implementations take turns). Ratio = best peer / "
              "fused_attn auto (above 1: ours faster). Every implementation was checked against the float64 "
              "reference first (B=1, S/4 of the same configuration).", "",
              "| family | auto engine | fwd gpu auto / best peer | ratio | fwd wall auto / best peer | ratio | "
@@ -332,23 +352,35 @@ def main(argv=None) -> int:
         fkey, seq, auto_engine, auto_reason = family_key(fam, q, k, v, sinks, extra, grad=True)
         print(f"\n## {fam.name}  [{fkey} seq {seq}; auto -> {auto_engine}]")
         print(f"{'impl':<20} {'check':<34} {'fwd gpu':>8} {'fwd wall':>9} {'fwd host us':>11} "
-              f"{'f+b gpu':>8} {'f+b wall':>9} {'f+b host us':>11} {'1st f+b ms':>10}")
+              f"{'f+b gpu':>8} {'f+b wall':>9} {'f+b host us':>11} {'1st f+b ms':>10} {'spread%':>7}")
+        family_rows: Dict[str, dict] = {}
+        steps: Dict[Tuple[str, bool], Callable[[], None]] = {}  # every step of the family, timed in turns
         for name, fn in impls.items():
-            row = dict(family_name=fam.name, family=fkey, seq=seq, impl=name, check=status[name],
-                       auto_engine=auto_engine)
-            if status[name].startswith("ok"):
-                try:
-                    f = measure(fn, (q, k, v, sinks, extra), dout, grad=False)
-                    fb = measure(fn, (q, k, v, sinks, extra), dout, grad=True)
-                    row.update({f"fwd_{a}": b for a, b in f.items()})
-                    row.update({f"fwd_bwd_{a}": b for a, b in fb.items()})
-                except Exception as exc:
-                    row["check"] = f"failed timing: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+            row = family_rows[name] = dict(family_name=fam.name, family=fkey, seq=seq, impl=name, check=status[name],
+                                           auto_engine=auto_engine)
+            if not status[name].startswith("ok"):
+                continue
+            try:
+                for grad, prefix in ((False, "fwd"), (True, "fwd_bwd")):
+                    steps[(name, grad)], costs = prepare(fn, (q, k, v, sinks, extra), dout, grad)
+                    row.update({f"{prefix}_{a}": b for a, b in costs.items()})
+            except Exception as exc:  # timed neither way: its steps and costs go
+                row["check"] = f"failed timing: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+                for grad in (False, True):
+                    steps.pop((name, grad), None)
+                row = family_rows[name] = {k: val for k, val in row.items() if not k.startswith("fwd_")}
+        for (name, grad), (wall, spread) in wall_rounds(steps).items():
+            prefix = "fwd_bwd" if grad else "fwd"
+            family_rows[name][f"{prefix}_wall_ms"] = wall
+            family_rows[name][f"{prefix}_wall_spread"] = spread
+        steps.clear()
+        for name, row in family_rows.items():
             rows.append(row)
-            if "fwd_gpu_ms" in row:
+            if "fwd_bwd_wall_ms" in row:
                 print(f"{name:<20} {row['check'][:34]:<34} {row['fwd_gpu_ms']:8.3f} {row['fwd_wall_ms']:9.3f} "
                       f"{row['fwd_host_us']:11.1f} {row['fwd_bwd_gpu_ms']:8.3f} {row['fwd_bwd_wall_ms']:9.3f} "
-                      f"{row['fwd_bwd_host_us']:11.1f} {row['fwd_bwd_first_ms']:10.1f}")
+                      f"{row['fwd_bwd_host_us']:11.1f} {row['fwd_bwd_first_ms']:10.1f} "
+                      f"{100 * max(row['fwd_wall_spread'], row['fwd_bwd_wall_spread']):7.1f}")
             else:
                 print(f"{name:<20} {row['check'][:120]}")
     keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("family_name", "impl", "check"), k))

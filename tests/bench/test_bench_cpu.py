@@ -488,3 +488,20 @@ def test_fa4_rows_only_where_flash_attn_4_runs():
 
     assert default_impls(torch.device("cpu")) == IMPLS
     assert fa4_varlen_impls(False, torch.device("cpu")) == {}
+
+
+def test_engine_wall_times_come_from_rounds_in_which_implementations_take_turns(monkeypatch):
+    """bench engines' wall time: every step runs its n steps once per round, in turn with the
+    others, and the reported time is the median over rounds with the rounds' spread."""
+    from benchmarks import bench_engines
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    turns = [1.0, 2.0, 3.0, 2.0, 2.0, 2.0]  # seconds per turn: a, b, a, b, a, b
+    stamps = iter(t for d in turns for t in (0.0, d))  # (start, end) of each turn
+    monkeypatch.setattr(bench_engines.time, "perf_counter", lambda: next(stamps))
+    calls = []
+    steps = {("a", False): lambda: calls.append("a"), ("b", True): lambda: calls.append("b")}
+    got = bench_engines.wall_rounds(steps, rounds=3, n=2)
+    assert calls == ["a", "a", "b", "b"] * 3
+    # a: 500, 1500, 1000 ms per step -> median 1000, spread (1500 - 500) / 1000; b: 1000 every round
+    assert got == {("a", False): (1000.0, 1.0), ("b", True): (1000.0, 0.0)}
