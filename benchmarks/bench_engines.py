@@ -23,93 +23,19 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fused_attn  # noqa: E402
-import score_mods as sm  # noqa: E402
 from fused_attn import engine_speed, engines, testing  # noqa: E402
+from benchmarks.engine_families import DT, FAMILIES, Family, make_inputs, ours_kwargs  # noqa: E402
 from benchmarks.timing import device_ms_per_call, host_us_launching  # noqa: E402
-
-DT = torch.bfloat16
-
-
-@dataclass
-class Family:
-    name: str
-    b: int
-    s: int
-    h: int
-    hkv: int
-    d: int
-    causal: bool = False
-    window: Optional[int] = None
-    softcap: Optional[float] = None
-    sinks: bool = False
-    varlen: bool = False
-    kwargs: Dict = field(default_factory=dict)
-
-
-FAMILIES = [
-    Family("dense B2 S4096 H16 D128", 2, 4096, 16, 16, 128),
-    Family("causal B2 S4096 H16 D128", 2, 4096, 16, 16, 128, causal=True),
-    Family("llama3 B2 S8192 H64/8 D128 causal", 2, 8192, 64, 8, 128, causal=True),
-    Family("gemma2 B2 S4096 H16 D128 causal softcap30", 2, 4096, 16, 16, 128, causal=True, softcap=30.0),
-    Family("varlen B8 <=2048 H16 D64", 8, 2048, 16, 16, 64, varlen=True),
-    Family("varlen causal B8 <=2048 H16 D64", 8, 2048, 16, 16, 64, causal=True, varlen=True),
-    Family("gpt-oss B4 S4096 H64/8 D64 window128 sinks", 4, 4096, 64, 8, 64, causal=True, window=128, sinks=True),
-    Family("causal B16 S1024 H16 D128", 16, 1024, 16, 16, 128, causal=True),
-    Family("causal B8 S1024 H16 D64", 8, 1024, 16, 16, 64, causal=True),
-    Family("dense B1 S16384 H16 D128 causal", 1, 16384, 16, 16, 128, causal=True),
-]
-
-
-def _lengths(fam: Family, b: int, s: int, seed: int = 7) -> List[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(x) for x in torch.randint(s // 8, s + 1, (b,), generator=g)]
-
-
-def make_inputs(fam: Family, b: int, s: int, seed: int = 0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    dev = torch.device("cuda")
-    if fam.varlen:
-        lens = _lengths(fam, b, s)
-        t = sum(lens)
-        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
-        shape_q, shape_kv, extra = (t, fam.h, fam.d), (t, fam.hkv, fam.d), dict(cu=cu, max_len=max(lens))
-    else:
-        shape_q, shape_kv, extra = (b, s, fam.h, fam.d), (b, s, fam.hkv, fam.d), {}
-    q = torch.randn(*shape_q, generator=g).to(dev, DT)
-    k = torch.randn(*shape_kv, generator=g).to(dev, DT)
-    v = torch.randn(*shape_kv, generator=g).to(dev, DT)
-    dout = torch.randn(*shape_q, generator=g).to(dev, DT)
-    sinks = torch.randn(fam.h, generator=g).to(dev) if fam.sinks else None
-    return q, k, v, dout, sinks, extra
-
-
-def ours_kwargs(fam: Family, extra: dict, sinks) -> dict:
-    kw: Dict = {}
-    if fam.varlen:
-        kw.update(qkv_format="thd", cu_seqlens_q=extra["cu"], cu_seqlens_kv=extra["cu"],
-                  max_seqlen_q=extra["max_len"], max_seqlen_kv=extra["max_len"],
-                  attn_mask_type="padding_causal" if fam.causal else "padding")
-    else:
-        kw.update(qkv_format="bshd", attn_mask_type="causal" if fam.causal else "no_mask")
-    if fam.window is not None:
-        kw["window_size"] = (fam.window, 0)
-    if fam.softcap is not None:
-        kw["score_mod"] = sm.softcap(fam.softcap)
-    if fam.sinks:
-        kw.update(softmax_type="learnable", sinks=sinks)
-    return kw
 
 
 def implementations(fam: Family) -> Dict[str, Callable]:
