@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fused_attn  # noqa: E402
 from fused_attn import engine_speed, engines, testing  # noqa: E402
 from benchmarks.engine_families import DT, FAMILIES, Family, make_inputs, ours_kwargs  # noqa: E402
-from benchmarks.timing import device_ms_per_call, host_us_launching  # noqa: E402
+from benchmarks.timing import device_ms_per_call, host_us_launching, host_us_rounds  # noqa: E402
 
 
 def implementations(fam: Family) -> Dict[str, Callable]:
@@ -150,19 +150,12 @@ def prepare(fn: Callable, args, dout, grad: bool) -> Tuple[Callable[[], None], D
 def wall_rounds(steps: Dict[Tuple[str, bool], Callable[[], None]], rounds: int = WALL_ROUNDS,
                 n: int = WALL_STEPS) -> Dict[Tuple[str, bool], Tuple[float, float]]:
     """Wall time per step, ms, over `n` back-to-back steps and one synchronize, in `rounds` rounds in
-    which every step takes its turn (a slow stretch of the host, a clock change or a collection pass
-    lands on all alike): key -> (median over rounds, (max - min) / median)."""
-    got: Dict[Tuple[str, bool], List[float]] = {key: [] for key in steps}
-    for _ in range(rounds):
-        for key, step in steps.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            torch.cuda.synchronize()
-            got[key].append((time.perf_counter() - t0) * 1e3 / n)
+    which every step takes its turn (`host_us_rounds`, the steps already warm: a slow stretch of
+    the host, a clock change or a collection pass lands on all alike): key -> (median over rounds,
+    (max - min) / median)."""
+    got = host_us_rounds(steps, torch.device("cuda"), calls=n, rounds=rounds, warmup=0)
     medians = {key: sorted(times)[len(times) // 2] for key, times in got.items()}
-    return {key: (m, (max(got[key]) - min(got[key])) / m) for key, m in medians.items()}
+    return {key: (m / 1e3, (max(got[key]) - min(got[key])) / m) for key, m in medians.items()}
 
 
 def family_key(fam: Family, q, k, v, sinks, extra, grad: bool):

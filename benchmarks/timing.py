@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Hashable, List
 
 import torch
 
@@ -62,9 +62,10 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms: float 
         return _event_loop_ms(fn, warmup_ms, rep_ms)
 
 
-def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 2000) -> float:
-    """Host microseconds per call: `calls` back-to-back calls, one synchronize after the loop."""
-    for _ in range(20):
+def host_us_per_call(fn: Callable[[], object], device: torch.device, calls: int = 2000, warmup: int = 20) -> float:
+    """Host microseconds per call: `calls` back-to-back calls, one synchronize after the loop
+    (after `warmup` untimed calls): the wall time per call of back-to-back calls."""
+    for _ in range(warmup):
         fn()
     synchronize(device)
     t0 = time.perf_counter()
@@ -124,15 +125,15 @@ def _sleep_cycles_per_ms() -> float:
     return 2_000_000 / max(start.elapsed_time(end), 1e-3)
 
 
-def host_us_rounds(fns: Dict[str, Callable[[], object]], device: torch.device, calls: int = 2000,
-                   rounds: int = 5) -> Dict[str, List[float]]:
+def host_us_rounds(fns: Dict[Hashable, Callable[[], object]], device: torch.device, calls: int = 2000,
+                   rounds: int = 5, warmup: int = 20) -> Dict[Hashable, List[float]]:
     """Host microseconds per call of each of `fns` in each of `rounds` interleaved rounds (each
-    round times every fn over `calls` back-to-back calls, one synchronize after): a slow spell of
-    a shared host then disturbs one round of every row, not every round of one row, and a ratio
-    of two rows taken round by round shows the run's own noise."""
-    spent: Dict[str, List[float]] = {name: [] for name in fns}
+    round times every fn over `calls` back-to-back calls, one synchronize after; `host_us_per_call`):
+    a slow spell of a shared host then disturbs one round of every row, not every round of one
+    row, and a ratio of two rows taken round by round shows the run's own noise."""
+    spent: Dict[Hashable, List[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            spent[name].append(host_us_per_call(fn, device, calls))
+            spent[name].append(host_us_per_call(fn, device, calls, warmup))
     return spent
 
