@@ -254,10 +254,28 @@ def band_next_to_score_mod() -> str:
     return "ok" if err <= bound else f"wrong: off by {err:.3g} > bound {bound:.3g}"
 
 
+def nonfinite_value_in_causal_tile() -> str:
+    """Causal, a NaN in V at key 150 of 200 (attended by queries 150 and later): rows 0-149,
+    which do not attend it, against the float64 reference of the clean inputs."""
+    s, pos = 200, 150
+    q, k, v = (_rand(1, s, 2, 64, seed=i).to(DEV, torch.bfloat16) for i in range(3))
+    bad = v.clone()
+    bad[:, pos] = float("nan")
+    got = fused_attn.dot_product_attention(q, k, bad, attn_mask_type="causal", backend="cudnn")[:, :pos]
+    if not torch.isfinite(got).all():
+        return f"wrong: {int((~torch.isfinite(got)).sum())} non-finite values in the rows before the poisoned key"
+    exact = fused_attn.dot_product_attention(q.double(), k.double(), v.double(), attn_mask_type="causal",
+                                             backend="reference")[:, :pos]
+    same = fused_attn.dot_product_attention(q, k, v, attn_mask_type="causal", backend="reference")[:, :pos]
+    err, bound = float((got.double() - exact).abs().max()), bound_from(same.double(), exact, torch.bfloat16)
+    return "ok" if err <= bound else f"wrong: off by {err:.3g} > bound {bound:.3g}"
+
+
 PROBES: Dict[str, Callable[[], str]] = {f.__name__: f for f in (
     score_reused_in_pointwise, nan_dq_kv_64_mod_128, nan_dq_kv_64_mod_128_score_mod_bias, ragged_sink_backward, sq1_skv1_backward,
     kv_broadcast_operand_backward, batch_broadcast_operand, ragged_batch_operand, dbias_next_to_score_mod,
-    ragged_key_tail_next_to_score_mod, irregular_mask_backward, band_next_to_score_mod)}
+    ragged_key_tail_next_to_score_mod, irregular_mask_backward, band_next_to_score_mod,
+    nonfinite_value_in_causal_tile)}
 
 
 #: entries a probe lifts besides its own (a document mask's ids[kv_idx] is also a key-axis view)

@@ -14,6 +14,7 @@ the tiny ones with head dim 64, hidden 128, windows of 16 tokens and 48 tokens p
 from __future__ import annotations
 
 import copy
+import warnings
 from functools import lru_cache
 
 import pytest
@@ -26,6 +27,7 @@ pytestmark = [
 
 transformers = pytest.importorskip("transformers")
 
+import fused_attn  # noqa: E402
 import fused_attn.integrations.transformers as fa_hf  # noqa: E402
 from benchmarks.models import FAMILIES, build_model, model_config  # noqa: E402
 from fused_attn.testing import bound_from, grad_tolerances, max_error, tolerance  # noqa: E402
@@ -98,11 +100,17 @@ def test_decoding_with_a_cache_matches_eager(family):
 
     exact = decode(m64, "eager")
     base = decode(m16, "eager")
+    bound = bound_from(base, exact, torch.bfloat16)
     try:
         got = decode(m16, CUDNN)
     except NotImplementedError as exc:
-        pytest.xfail(f"cuDNN refuses this configuration: {exc}")
-    assert max_error(got, exact) <= bound_from(base, exact, torch.bfloat16)
+        # cuDNN 9.19 and 9.27 have no decode graph (s_q = 1) with a sink token: a refusal that says
+        # so, and backend="auto" decodes on another engine (FA4, or the reference with a warning)
+        assert family == "gpt_oss" and "sink" in str(exc), str(exc)[:400]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fused_attn.FallbackWarning)
+            got = decode(m16, fa_hf.NAME)
+    assert max_error(got, exact) <= bound
 
 
 @pytest.mark.parametrize("kind", ["dense", "packed"])
@@ -110,8 +118,6 @@ def test_auto_backend_runs_models_on_cudnn(kind):
     """backend="auto" (the default registration) serves dense and packed batches of every family
     (gpt-oss's sinks on packed batches included) without falling back."""
     from fused_attn import FallbackWarning
-
-    import warnings
 
     for family in FAMILIES:
         _, m16 = gpu_models(family)

@@ -12,7 +12,9 @@ too) up to, not including, `fixed_in`; `fixed_in=None` is open-ended (not yet se
 cuDNN newer than any tested one keeps every open entry. Each entry names the GPU test that
 shows the fault where it applies and the plain path right outside it
 (`tests/backends/cudnn/test_quirks_gpu.py`), so an upgrade that fixes or breaks something is a
-test result. `lifted(...)` turns entries off inside a context: what those tests use to run the
+test result. An entry's handling is a workaround, a refusal, or "documented" for a fault that
+only non-finite inputs reach and whose check would cost every call a pass over them.
+`lifted(...)` turns entries off inside a context: what those tests use to run the
 plain path on a version where the entry applies (never for users).
 
 Nothing outside this package names a cuDNN version: other modules ask `applies(name, version)`.
@@ -161,6 +163,13 @@ QUIRKS: Dict[str, Quirk] = {q.name: q for q in (
        "workaround: the band becomes a select in the callback, cut into rectangles where that saves work "
        "(band_chunks, band_ragged)",
        "nothing to do: the workaround is exact"),
+    _q("nonfinite_value_in_causal_tile",
+       "spreads a NaN value at a key that later queries attend to the earlier rows of its query tile, which "
+       "do not attend that key (their weight 0 times NaN in the tile's P @ V); a non-finite key does not, and "
+       "keys that no query attends are never loaded",
+       91900, None, "H200, cuDNN 9.19 and 9.27.0 (causal, a NaN in V at one attended key, 6 of 6 seeds)",
+       "documented, not worked around: finite inputs are exact, and padding past the lengths is never read",
+       "keep V finite at attended keys, or use backend='reference' (exact here)"),
     _q("score_reused_in_pointwise",
        "faults with an illegal address (err 700; the CUDA context is lost) when a pointwise op of a score_mod "
        "callback reads the callback's input (the score, or dS) next to a value computed from it (s * s, "

@@ -31,7 +31,7 @@ def test_lookup_by_version():
 def test_every_entry_is_complete():
     for name, q in quirks.QUIRKS.items():
         assert q.name == name and q.fault and q.measured and q.handling and q.way_out, name
-        assert q.handling.startswith(("workaround", "refusal")), name
+        assert q.handling.startswith(("workaround", "refusal", "documented")), name
         assert q.fixed_in is None or q.fixed_in > q.since, name
         assert "test_quirks_gpu.py" in q.test, name
 
