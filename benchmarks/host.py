@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from .common import (ImplWrongError, check_tensor, host_us_per_call, host_us_rounds, naive_attention,
                      reference_and_bounds, synchronize)
+from .host_floors import BareCudnnFunction, EmptyAutogradFunction
 from .runner import SuiteResult
 
 SHAPE = (1, 128, 1, 64)  # B, S, H, D (BSHD)
@@ -72,44 +73,6 @@ def _forwards(q, k, v, device) -> Dict[str, Callable[[], torch.Tensor]]:
 
         fns["torch_sdpa_cudnn"] = torch_cudnn
     return fns
-
-
-class EmptyAutogradFunction(torch.autograd.Function):
-    """A Python autograd.Function over (q, k, v) that allocates its output and gradients and
-    does nothing else: what any Python-level attention pays autograd per fwd+bwd on this host."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        ctx.save_for_backward(q, k, v)
-        return torch.empty_like(q)
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-class BareCudnnFunction(torch.autograd.Function):
-    """apply(raw, q, k, v): a Python autograd.Function over the frontend's prebuilt graphs
-    (`RawSdpa`, ordered execute) that allocates what an attention call must (out and its
-    statistics; dq, dk, dv) and nothing else: no library code. Its host time is the floor of
-    any Python-level attention that runs cuDNN graphs on this host."""
-
-    @staticmethod
-    def forward(ctx, raw, q, k, v):
-        out = torch.empty_like(q)
-        lse = torch.empty(raw.lse.shape, dtype=torch.float32, device=q.device)
-        raw.run_fwd(q, k, v, out, lse)
-        ctx.raw = raw
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        ctx.raw.run_bwd(q, k, v, out, grad.contiguous(), lse, dq, dk, dv)
-        return None, dq, dk, dv
 
 
 BARE = "autograd.Function over the bare cuDNN graphs (no library code)"

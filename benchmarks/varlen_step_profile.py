@@ -75,7 +75,7 @@ def dense_pieces():
     import torch.nn.functional as F
 
     import fused_attn
-    from benchmarks.host import EmptyAutogradFunction
+    from benchmarks.host_floors import EmptyAutogradFunction
     from fused_attn.plan import NO_VARLEN, get_plan
     from fused_attn.spec import resolve_spec
 
@@ -126,7 +126,7 @@ def dense_pieces():
 def main() -> None:
     import fused_attn
     from fused_attn.backends.cudnn import varlen as VL
-    from benchmarks.host import EmptyAutogradFunction
+    from benchmarks.host_floors import EmptyAutogradFunction
     from benchmarks.steps import _batches, _step_fn
     from fused_attn.plan import Varlen, get_plan
     from torch.nn.attention.varlen import varlen_attn as torch_varlen

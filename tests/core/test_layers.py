@@ -116,6 +116,8 @@ def test_engines_never_import_each_other():
             return "reference"
         if m.startswith("fused_attn.backends.torch"):
             return "torch"
+        if m.startswith("fused_attn.backends.fa4"):
+            return "fa4"
         return ""
 
     crossing = [(m, t) for m, ts in _graph().items() for t in ts
@@ -163,3 +165,19 @@ def test_the_wheel_ships_the_library_only():
     shipped = find_packages(ROOT, include=include)
     assert "fused_attn" in shipped and "score_mods" in shipped
     assert all(p.split(".")[0] in ("fused_attn", "score_mods") for p in shipped), shipped
+
+
+def test_no_source_file_over_400_lines():
+    """Small modules with one job each: no file of the library or the benchmarks over 400 lines."""
+    limit = 400
+    long = []
+    for pkg in ("fused_attn", "score_mods", "benchmarks"):
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    with open(path) as fh:
+                        n = sum(1 for _ in fh)
+                    if n > limit:
+                        long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
+    assert not long, f"files over {limit} lines:\n" + "\n".join(long)
