@@ -216,6 +216,10 @@ def table_from_csv(path: str, arch: str) -> str:
 
 
 def write_table(rows: List[dict], arch: str) -> str:
+    """Store the forced-engine rows ("fused_attn cudnn" / "fused_attn fa4") as the table `auto`
+    ranks by (`fused_attn.engine_speed`): per family, length and engine, the cost per call
+    (`call_cost`) and the GPU time, forward and forward + backward; rows of families this run did
+    not measure are kept. Returns the table's path."""
     path = engine_speed.table_path(arch)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     old = []
@@ -228,11 +232,14 @@ def write_table(rows: List[dict], arch: str) -> str:
             engine = r["impl"].split()[1]
             new[(r["family"], str(r["seq"]), engine)] = dict(family=r["family"], seq=r["seq"], engine=engine,
                                                              fwd_ms=f"{call_cost(r, 'fwd'):.4f}",
-                                                             fwd_bwd_ms=f"{call_cost(r, 'fwd_bwd'):.4f}")
+                                                             fwd_bwd_ms=f"{call_cost(r, 'fwd_bwd'):.4f}",
+                                                             fwd_gpu_ms=f"{float(r['fwd_gpu_ms']):.4f}",
+                                                             fwd_bwd_gpu_ms=f"{float(r['fwd_bwd_gpu_ms']):.4f}")
     measured = {(f, s) for f, s, _ in new}
     kept = [r for r in old if (r["family"], r["seq"]) not in measured]
     with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=["family", "seq", "engine", "fwd_ms", "fwd_bwd_ms"])
+        w = csv.DictWriter(fh, fieldnames=["family", "seq", "engine", "fwd_ms", "fwd_bwd_ms", "fwd_gpu_ms",
+                                           "fwd_bwd_gpu_ms"], restval="")
         w.writeheader()
         for r in kept + list(new.values()):
             w.writerow(r)

@@ -3,13 +3,16 @@
 `python -m fused_attn bench engines` times every engine that can run a problem family on the GPU
 at hand and writes `fused_attn/speed/sm<major><minor>.csv` (committed, shipped in the wheel):
 
-    family,seq,engine,fwd_ms,fwd_bwd_ms
-    dense/causal/none/vanilla/mha/d128,4096,cudnn,0.257,1.031
+    family,seq,engine,fwd_ms,fwd_bwd_ms,fwd_gpu_ms,fwd_bwd_gpu_ms
+    dense/causal/none/vanilla/mha/d128,4096,cudnn,0.257,1.031,0.251,0.982
 
 A family says what decides the fastest kernel (`family`): dense or thd, the mask (none / causal
 / window), the score_mod (none, softcap or any other), the softmax type (sinks), GQA or not, the
 head dim. `rank` reorders the engines that can serve a problem by the row of its family nearest
-in length (log scale), forward time for calls without gradients, forward + backward otherwise.
+in length (log scale), forward for calls without gradients, forward + backward otherwise: by
+wall time per step (`*_ms`: what a call costs a step, its host path included), and among the
+engines whose wall time is within `WALL_TIE` of the fastest (indistinguishable on a shared
+host), by GPU time (`*_gpu_ms`, a stable measurement; rows without it rank by wall alone).
 Engines without a row keep their default order after the measured ones; a family without rows
 keeps the default order (cuDNN first), and the reason says so: the choice is never silent.
 """
@@ -20,14 +23,32 @@ import csv
 import functools
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import device_facts
 from .cache_registry import register_lru
 
-__all__ = ["family", "rank", "table", "table_path", "arch_of", "seq_of", "clear"]
+__all__ = ["Measured", "WALL_TIE", "family", "rank", "table", "table_path", "arch_of", "seq_of", "clear"]
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "speed")
+
+#: wall times within this fraction of the fastest engine's are a tie, which GPU time breaks
+WALL_TIE = 0.05
+
+
+class Measured(NamedTuple):
+    """One engine's row of a family at one length: ms per call (wall per step, and GPU time
+    where the table has it)."""
+    seq: int
+    engine: str
+    fwd: float
+    fwd_bwd: float
+    fwd_gpu: Optional[float] = None
+    fwd_bwd_gpu: Optional[float] = None
+
+
+def _optional_ms(text: Optional[str]) -> Optional[float]:
+    return float(text) if text not in (None, "") else None
 
 
 def table_path(arch: str) -> str:
@@ -37,16 +58,17 @@ def table_path(arch: str) -> str:
 
 @register_lru("engine_speed.table")
 @functools.lru_cache(maxsize=16)
-def table(arch: str) -> Dict[str, List[Tuple[int, str, float, float]]]:
-    """family -> [(seq, engine, fwd_ms, fwd_bwd_ms)] of the committed table ({} when none)."""
+def table(arch: str) -> Dict[str, List[Measured]]:
+    """family -> [Measured] of the committed table ({} when none)."""
     path = table_path(arch)
-    out: Dict[str, List[Tuple[int, str, float, float]]] = {}
+    out: Dict[str, List[Measured]] = {}
     if not os.path.exists(path):
         return out
     with open(path, newline="") as fh:
         for row in csv.DictReader(fh):
             try:
-                entry = (int(row["seq"]), row["engine"], float(row["fwd_ms"]), float(row["fwd_bwd_ms"]))
+                entry = Measured(int(row["seq"]), row["engine"], float(row["fwd_ms"]), float(row["fwd_bwd_ms"]),
+                                 _optional_ms(row.get("fwd_gpu_ms")), _optional_ms(row.get("fwd_bwd_gpu_ms")))
             except (KeyError, ValueError):
                 continue  # a malformed row is not a measurement
             out.setdefault(row["family"], []).append(entry)
@@ -91,14 +113,28 @@ def seq_of(problem: Any) -> int:
     return int(problem.seqlen_kv or 0)
 
 
-def _nearest(rows: Sequence[Tuple[int, str, float, float]], seq: int) -> Dict[str, Tuple[int, float, float]]:
-    """engine -> (seq, fwd, fwd_bwd) of each engine's row nearest to `seq` (log distance)."""
-    best: Dict[str, Tuple[float, Tuple[int, float, float]]] = {}
-    for s, engine, fwd, both in rows:
-        dist = abs(math.log2(max(s, 1)) - math.log2(max(seq, 1)))
-        if engine not in best or dist < best[engine][0]:
-            best[engine] = (dist, (s, fwd, both))
-    return {e: v for e, (_, v) in best.items()}
+def _nearest(rows: Sequence[Sequence[Any]], seq: int) -> Dict[str, Measured]:
+    """engine -> its row nearest to `seq` (log distance)."""
+    best: Dict[str, Tuple[float, Measured]] = {}
+    for row in rows:
+        m = Measured(*row)
+        dist = abs(math.log2(max(m.seq, 1)) - math.log2(max(seq, 1)))
+        if m.engine not in best or dist < best[m.engine][0]:
+            best[m.engine] = (dist, m)
+    return {e: m for e, (_, m) in best.items()}
+
+
+def _order(near: Dict[str, Measured], measured: List[str], what: str) -> Tuple[List[str], bool]:
+    """(the measured engines fastest first, whether GPU time broke a tie of wall times)."""
+    wall = {e: getattr(near[e], what) for e in measured}
+    gpu = {e: getattr(near[e], what + "_gpu") for e in measured}
+    by_wall = sorted(measured, key=lambda e: wall[e])
+    fastest = wall[by_wall[0]]
+    tied = [e for e in by_wall if wall[e] <= fastest * (1 + WALL_TIE)]
+    if len(tied) < 2 or any(gpu[e] is None for e in tied):
+        return by_wall, False
+    tied.sort(key=lambda e: gpu[e])
+    return tied + [e for e in by_wall if e not in tied], tied[0] != by_wall[0]
 
 
 def rank(problem: Any, candidates: Sequence[str]) -> Tuple[List[str], str]:
@@ -114,12 +150,18 @@ def rank(problem: Any, candidates: Sequence[str]) -> Tuple[List[str], str]:
         return candidates, f"no measurement for {fam} on {arch}: the default order"
     seq = seq_of(problem)
     near = _nearest(rows, seq)
-    column = 2 if problem.needs_grad else 1
     measured = [c for c in candidates if c in near]
     if len(measured) < 2:
         return candidates, f"fewer than two measured engines for {fam} on {arch}: the default order"
-    measured.sort(key=lambda e: near[e][column])
+    what = "fwd_bwd" if problem.needs_grad else "fwd"
+    order, tie = _order(near, measured, what)
     rest = [c for c in candidates if c not in near]
-    what = "fwd+bwd" if problem.needs_grad else "fwd"
-    times = ", ".join(f"{e} {near[e][column]:.3f} ms" for e in measured)
-    return measured + rest, f"measured on {arch} for {fam} near S={near[measured[0]][0]} ({what}: {times})"
+
+    def cost(e: str) -> str:
+        gpu = getattr(near[e], what + "_gpu")
+        return f"{e} {getattr(near[e], what):.3f} ms" + (f" (GPU {gpu:.3f})" if gpu is not None else "")
+
+    times = ", ".join(cost(e) for e in order)
+    label = "fwd+bwd" if problem.needs_grad else "fwd"
+    how = f"; wall times within {WALL_TIE:.0%}: GPU time decides" if tie else ""
+    return order + rest, f"measured on {arch} for {fam} near S={near[order[0]].seq} ({label}: {times}{how})"

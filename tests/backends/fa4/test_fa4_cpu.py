@@ -187,6 +187,47 @@ def test_family_and_rank_from_a_stub_table(monkeypatch):
     assert order == ["cudnn", "fa4"] and "no measurement" in why
 
 
+def test_gpu_time_breaks_a_tie_of_wall_times(monkeypatch):
+    """Wall times within WALL_TIE of the fastest are a tie that GPU time breaks; outside it, or
+    when a tied row has no GPU time, wall time alone decides."""
+    problem = _problem({"band": Band(None, 0, False), "backend": "auto"}, seqlen_q=2048, seqlen_kv=2048)
+    fam = engine_speed.family(problem)
+    monkeypatch.setattr(engine_speed, "arch_of", lambda device: "sm90")
+
+    def order(rows, p=problem):
+        monkeypatch.setattr(engine_speed, "table", lambda arch: {fam: rows})
+        return engine_speed.rank(p, ["cudnn", "fa4", "reference"])
+
+    tie = 1 + engine_speed.WALL_TIE / 2
+    got, why = order([(2048, "cudnn", 0.40, 0.968, 0.39, 0.917), (2048, "fa4", 0.40, 0.968 * tie, 0.21, 0.589)])
+    assert got == ["fa4", "cudnn", "reference"] and "GPU time decides" in why and "(GPU 0.589)" in why
+    apart = 1 + 2 * engine_speed.WALL_TIE
+    got, why = order([(2048, "cudnn", 0.40, 0.968, 0.39, 0.917), (2048, "fa4", 0.40, 0.968 * apart, 0.21, 0.589)])
+    assert got == ["cudnn", "fa4", "reference"] and "GPU time decides" not in why
+    got, _ = order([(2048, "cudnn", 0.40, 0.968), (2048, "fa4", 0.40, 0.968 * tie)])  # a table without GPU times
+    assert got == ["cudnn", "fa4", "reference"]
+    inference = dataclasses.replace(problem, needs_grad=False)  # forward columns: fa4's wall is faster outright
+    got, _ = order([(2048, "cudnn", 0.40, 0.968, 0.39, 0.917), (2048, "fa4", 0.30, 0.968 * tie, 0.45, 0.589)],
+                   inference)
+    assert got == ["fa4", "cudnn", "reference"]
+
+
+def test_the_table_reads_rows_with_and_without_gpu_times(monkeypatch, tmp_path):
+    path = tmp_path / "sm90.csv"
+    path.write_text("family,seq,engine,fwd_ms,fwd_bwd_ms,fwd_gpu_ms,fwd_bwd_gpu_ms\n"
+                    "dense/causal/none/vanilla/mha/d64,2048,cudnn,0.1,0.5,0.09,0.45\n"
+                    "dense/causal/none/vanilla/mha/d64,2048,fa4,0.1,0.5,,\n"
+                    "dense/causal/none/vanilla/mha/d64,oops,fa4,0.1,0.5,,\n")
+    monkeypatch.setattr(engine_speed, "table_path", lambda arch: str(path))
+    engine_speed.clear()
+    try:
+        rows = engine_speed.table("sm90")["dense/causal/none/vanilla/mha/d64"]
+    finally:
+        engine_speed.clear()
+    assert rows == [engine_speed.Measured(2048, "cudnn", 0.1, 0.5, 0.09, 0.45),
+                    engine_speed.Measured(2048, "fa4", 0.1, 0.5, None, None)]  # the malformed row is skipped
+
+
 class _Stub:
     auto_devices = ("cuda",)
 
