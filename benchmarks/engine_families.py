@@ -4,7 +4,7 @@ engine table stores it under."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -27,7 +27,6 @@ class Family:
     softcap: Optional[float] = None
     sinks: bool = False
     varlen: bool = False
-    kwargs: Dict = field(default_factory=dict)
 
 
 FAMILIES = [

@@ -113,11 +113,10 @@ def seq_of(problem: Any) -> int:
     return int(problem.seqlen_kv or 0)
 
 
-def _nearest(rows: Sequence[Sequence[Any]], seq: int) -> Dict[str, Measured]:
+def _nearest(rows: Sequence[Measured], seq: int) -> Dict[str, Measured]:
     """engine -> its row nearest to `seq` (log distance)."""
     best: Dict[str, Tuple[float, Measured]] = {}
-    for row in rows:
-        m = Measured(*row)
+    for m in rows:
         dist = abs(math.log2(max(m.seq, 1)) - math.log2(max(seq, 1)))
         if m.engine not in best or dist < best[m.engine][0]:
             best[m.engine] = (dist, m)

@@ -95,30 +95,18 @@ def test_unattended_keys_never_reach_outputs_or_gradients(seed):
         assert (got[rows] == 0).all(), f"{case}: {name} rows that attend nothing are not 0"
 
 
-def _tile_quirk_applies() -> bool:
-    """Whether this cuDNN has the entry `nonfinite_value_in_causal_tile` (a NaN value at an attended
-    key reaches the earlier rows of its query tile)."""
-    from fused_attn.backends.cudnn import quirks
-
-    return quirks.applies("nonfinite_value_in_causal_tile", _version())
-
-
-def _version() -> int:
-    from fused_attn.backends.cudnn import version
-
-    return version.backend_version()
-
-
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("where", ["key", "value"])
 def test_causal_keys_later_queries_see_do_not_reach_earlier_queries(seed, where, request):
     """A non-finite key or value at position j (seen by queries >= j) leaves queries < j exact;
     a value only where the quirk entry `nonfinite_value_in_causal_tile` does not apply (strict)."""
-    if where == "value" and _tile_quirk_applies():
-        from fused_attn.backends.cudnn import quirks
+    if where == "value":
+        from fused_attn.backends.cudnn import quirks, version
 
-        request.applymarker(pytest.mark.xfail(strict=True, reason=quirks.QUIRKS["nonfinite_value_in_causal_tile"]
-                                              .refusal(_version(), "a NaN value at an attended key")))
+        ver = version.backend_version()
+        if quirks.applies("nonfinite_value_in_causal_tile", ver):
+            reason = quirks.QUIRKS["nonfinite_value_in_causal_tile"].refusal(ver, "a NaN value at an attended key")
+            request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     rng = random.Random(100 + seed)
     b, h, d, s = 1, rng.choice([1, 2]), 64, rng.randrange(130, 400)
     pos = rng.randrange(1, s)

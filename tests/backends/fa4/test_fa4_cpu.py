@@ -171,8 +171,8 @@ def test_family_and_rank_from_a_stub_table(monkeypatch):
     problem = _problem({"band": Band(None, 0, False), "backend": "auto"})
     fam = engine_speed.family(problem)
     assert fam == "dense/causal/none/vanilla/mha/d64"
-    rows = {fam: [(4096, "cudnn", 0.25, 1.0), (4096, "fa4", 0.23, 0.87), (512, "cudnn", 0.05, 0.1),
-                  (512, "fa4", 0.06, 0.2)]}
+    rows = {fam: [engine_speed.Measured(*r) for r in ((4096, "cudnn", 0.25, 1.0), (4096, "fa4", 0.23, 0.87),
+                                                      (512, "cudnn", 0.05, 0.1), (512, "fa4", 0.06, 0.2))]}
     monkeypatch.setattr(engine_speed, "table", lambda arch: rows)
     monkeypatch.setattr(engine_speed, "arch_of", lambda device: "sm90")
     order, why = engine_speed.rank(problem, ["cudnn", "fa4", "reference"])
@@ -195,7 +195,7 @@ def test_gpu_time_breaks_a_tie_of_wall_times(monkeypatch):
     monkeypatch.setattr(engine_speed, "arch_of", lambda device: "sm90")
 
     def order(rows, p=problem):
-        monkeypatch.setattr(engine_speed, "table", lambda arch: {fam: rows})
+        monkeypatch.setattr(engine_speed, "table", lambda arch: {fam: [engine_speed.Measured(*r) for r in rows]})
         return engine_speed.rank(p, ["cudnn", "fa4", "reference"])
 
     tie = 1 + engine_speed.WALL_TIE / 2
@@ -259,8 +259,8 @@ class _Stub:
 def test_choose_follows_the_table(monkeypatch):
     problem = _problem({"backend": "auto"}, seqlen_q=4096, seqlen_kv=4096)
     fam = engine_speed.family(problem)
-    monkeypatch.setattr(engine_speed, "table", lambda arch: {fam: [(4096, "stub_a", 1.0, 3.0),
-                                                                   (4096, "stub_b", 1.1, 2.0)]})
+    monkeypatch.setattr(engine_speed, "table", lambda arch: {fam: [engine_speed.Measured(4096, "stub_a", 1.0, 3.0),
+                                                                   engine_speed.Measured(4096, "stub_b", 1.1, 2.0)]})
     monkeypatch.setattr(engine_speed, "arch_of", lambda device: "sm90")
     engines.register(_Stub("stub_a"))
     engines.register(_Stub("stub_b"))
