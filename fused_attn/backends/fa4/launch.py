@@ -59,7 +59,8 @@ class Host(NamedTuple):
     why: str
 
 
-#: (owner, signature) -> Launch | Host; owners are runners (`new_owner`), so no runner reuses another's entries
+#: (owner, signature) -> Launch | Host | backward_replay.Replay; owners are runners (`new_owner`),
+#: so no runner reuses another's entries
 _LAUNCHES: BoundedMemo = BoundedMemo(1024, "fa4.launches")
 _owners = itertools.count()
 _owners_lock = threading.Lock()
@@ -100,11 +101,11 @@ def info() -> Any:
     return _LAUNCHES.info()
 
 
-def lookup(owner: int, sig: tuple) -> Union[Launch, Host, None]:
+def lookup(owner: int, sig: tuple) -> Any:
     return _LAUNCHES.get((owner, sig))
 
 
-def store(owner: int, sig: tuple, entry: Union[Launch, Host]) -> None:
+def store(owner: int, sig: tuple, entry: Any) -> None:
     _LAUNCHES.put((owner, sig), entry)
 
 

@@ -9,8 +9,9 @@ lse: fp32 (B, H, Sq) dense / (H, Tq) thd, with sinks folded in, as the reference
 Per call the runner reads the mod's values: the window of a library mask, the
 tensors and scalars of a generated CuTe mod, the library's softcap among them (aux tensors /
 aux scalars: new values never recompile).
-The forward launches FA4's kernel as recorded for the call's signature (`launch`: FA4's
-host path runs once per signature); the backward goes through `_flash_attn_bwd` every call.
+The forward launches FA4's kernel as recorded for the call's signature (`launch`), the
+backward allocates FA4's buffers and launches its kernels as recorded (`backward_replay`):
+FA4's host path runs once or twice per signature, and on every call where a recording is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from ...cache import GRAPH_CACHE
 from ...problem import Band
-from . import cute_load, install, launch
+from . import backward_replay, cute_load, install, launch
 from .support import Plan, window
 
 __all__ = ["Fa4Runner"]
@@ -78,7 +79,7 @@ class Fa4Runner:
         store = GRAPH_CACHE.store
         install.persist_kernels(None if store is None else store.directory)
         self.fns = None if plan.source is None else cute_load.load(plan.source)
-        self.owner = launch.new_owner()  # keys this runner's recorded forward launches
+        self.owner = launch.new_owner()  # keys this runner's recorded launches and backwards
         self.quirks: Tuple[str, ...] = ()
 
     # -- per-call kernel arguments
@@ -176,16 +177,38 @@ class Fa4Runner:
         return (grads[0],) + tuple(dest[1:]) + tuple(grads[3:])
 
     def _backward(self, q, k, v, out, lse, varlen, mod, sinks, grad_out) -> tuple:
-        fa = install.module()
         args = self._common(varlen, mod, sinks, q)
         if self.fns is not None:
             args["score_mod"], args["score_mod_bwd"] = self.fns.score_mod, self.fns.score_mod_bwd
+        own = tuple(_bshd(t, self.fmt) for t in (q, k, v, out, grad_out)) + (
+            lse, args.get("cu_seqlens_q"), args.get("cu_seqlens_k"), args.get("learnable_sink"))
         with torch.no_grad():
-            got = fa._flash_attn_bwd(_bshd(q, self.fmt), _bshd(k, self.fmt), _bshd(v, self.fmt),
-                                     _bshd(out, self.fmt), _bshd(grad_out, self.fmt), lse,
-                                     deterministic=self.deterministic, **args)
+            got = self._launch_backward(own, args)
         dq, dk, dv = (_bshd(g, self.fmt) for g in got[:3])
         extra = ()
         if self.plan.sinks == "learnable" and sinks is not None:
             extra = (got[3].to(sinks.dtype),)
         return (dq, dk, dv) + extra
+
+    def _launch_backward(self, own: tuple, args: Dict[str, Any]) -> tuple:
+        """FA4's backward of `own` (q, k, v, out, dout as (B, S, H, D) views, lse, cu_seqlens,
+        sinks): replayed as recorded for this call's signature where there is a recording
+        (`backward_replay`), else FA4's function (recording it)."""
+        aux_tensors, aux_scalars = args.get("aux_tensors"), args.get("aux_scalars")
+        constants = ("backward", args["softmax_scale"], args["causal"], args["window_size_left"],
+                     args["window_size_right"], args.get("max_seqlen_q"), args.get("max_seqlen_k"), self.deterministic)
+        sig = launch.signature(own, aux_tensors, aux_scalars, constants)
+        entry = launch.lookup(self.owner, sig)
+        if type(entry) is backward_replay.Replay:
+            return backward_replay.replay(entry, own, aux_tensors, aux_scalars)
+
+        def run() -> tuple:
+            q, k, v, out, dout, lse = own[:6]
+            return install.module()._flash_attn_bwd(q, k, v, out, dout, lse, deterministic=self.deterministic, **args)
+
+        if entry is not None:  # a signature FA4's own path serves (launch.Host)
+            return run()
+        got, recorded = backward_replay.record(run, own, aux_tensors, aux_scalars)
+        if recorded is not None:
+            launch.store(self.owner, sig, recorded)
+        return got

@@ -43,11 +43,13 @@ def _run(backend, dtype, q, k, v, dout, sinks=None, **kw):
 
 def check(name, q, k, v, dout, sinks=None, **kw):
     """fa4 vs the float64 reference, out (and lse) and every gradient, bounds from the bf16 reference.
-    A first fa4 call on other values records the forward's launch; the checked call replays it
-    with its own tensors (`fused_attn.backends.fa4.launch`)."""
+    Two fa4 calls on other values compile the kernels, record the forward's launch
+    (`fused_attn.backends.fa4.launch`) and the backward (`backward_replay`, which records on the
+    call after the compiling one); the checked call replays both with its own tensors."""
     exact = _run("reference", torch.float64, q, k, v, dout, sinks, **kw)
     same = _run("reference", DT, q, k, v, dout, sinks, **kw)
     _run("fa4", DT, q.flip(-1), k, -v, dout, sinks, **kw)
+    _run("fa4", DT, -q, v, k, dout, sinks, **kw)
     got = _run("fa4", DT, q, k, v, dout, sinks, **kw)
     testing.assert_close(got[0].float(), exact[0], testing.bound_from(same[0], exact[0], DT), f"{name} out")
     if kw.get("return_lse"):
@@ -203,6 +205,73 @@ def test_a_recorded_forward_launch_is_fa4s_own_launch(case):
         exact = fused_attn.dot_product_attention(q.double(), q.double(), q.double(), backend="reference", **ref_kw)
         same = fused_attn.dot_product_attention(q, q, q, backend="reference", **ref_kw)
         testing.assert_close(got.double(), exact, testing.bound_from(same, exact, DT), f"{case} q is k is v")
+
+
+def _cu(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+
+
+REPLAYED = {
+    "causal bshd deterministic": dict(shape=(2, 256, 4, 64), attn_mask_type="causal", deterministic=True),
+    "gqa window sinks sbhd": dict(shape=(256, 2, 8, 64), hkv=2, qkv_format="sbhd", window_size=(32, 0),
+                                  attn_mask_type="causal", softmax_type="learnable"),
+    "softcap bhsd d128": dict(shape=(2, 4, 256, 128), qkv_format="bhsd", score_mod=sm.softcap(20.0)),
+    "thd gqa causal": dict(shape=(389, 8, 64), hkv=2, qkv_format="thd", cu_seqlens_q=[5, 130, 254],
+                           attn_mask_type="padding_causal"),
+}
+
+
+@pytest.mark.parametrize("case", list(REPLAYED))
+def test_a_replayed_backward_is_fa4s_own_backward(case, monkeypatch):
+    """A fwd+bwd after FA4's own backward of a signature (recorded) replays it (`backward_replay`:
+    FA4's buffers allocated and its kernels launched without its host path): no recording and one
+    replay on that call, gradients (dsinks included) against the float64
+    reference, and bit for bit FA4's own backward where the backward is deterministic."""
+    from fused_attn.backends.fa4 import backward_replay, launch
+
+    kw = dict(REPLAYED[case])
+    shape, hkv, fmt = kw.pop("shape"), kw.pop("hkv", None), kw.get("qkv_format", "bshd")
+    head_axis = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}[fmt]
+    kv_shape = list(shape)
+    if hkv is not None:
+        kv_shape[head_axis] = hkv
+    if fmt == "thd":
+        lens = kw.pop("cu_seqlens_q")
+        kw.update(cu_seqlens_q=_cu(lens), cu_seqlens_kv=_cu(lens), max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+    q, dout = _rand(*shape, seed=1), _rand(*shape, seed=4)
+    k, v = _rand(*kv_shape, seed=2), _rand(*kv_shape, seed=3)
+    sinks = _rand(shape[head_axis], seed=5) if kw.get("softmax_type") == "learnable" else None
+    calls = {"record": 0, "replay": 0}
+    recorded = []  # what each recording concluded (a Host says why it is not replayed)
+
+    def counted(name):
+        real = getattr(backward_replay, name)
+
+        def wrapper(*a, **k):
+            calls[name] += 1
+            got = real(*a, **k)
+            if name == "record":
+                recorded.append(type(got[1]).__name__ if type(got[1]) is backward_replay.Replay else got[1])
+            return got
+        return wrapper
+
+    monkeypatch.setattr(backward_replay, "record", counted("record"))
+    monkeypatch.setattr(backward_replay, "replay", counted("replay"))
+    _run("fa4", DT, q.flip(-1), k, -v, dout, sinks, **kw)  # compiles (or finds) the kernels
+    with monkeypatch.context() as forced:  # FA4's own path, whatever earlier calls recorded; it records
+        forced.setattr(launch, "lookup", lambda owner, sig: None)
+        own = _run("fa4", DT, q, k, v, dout, sinks, **kw)
+    before = dict(calls)
+    got = _run("fa4", DT, q, k, v, dout, sinks, **kw)
+    assert calls["replay"] == before["replay"] + 1 and calls["record"] == before["record"], (
+        f"{case}: the third backward was not replayed ({before} -> {calls}; recordings: {recorded})")
+    exact = _run("reference", torch.float64, q, k, v, dout, sinks, **kw)
+    same = _run("reference", DT, q, k, v, dout, sinks, **kw)
+    for what, g, o, e, s in zip(("dq", "dk", "dv", "dsinks"), got[2], own[2], exact[2], same[2]):
+        assert g is not None and torch.isfinite(g).all(), f"{case} {what}: missing or non-finite"
+        testing.assert_close(g.double(), e, testing.bound_from(s, e, DT), f"{case} replayed {what}")
+        if kw.get("deterministic"):
+            assert torch.equal(g, o), f"{case} {what}: the replay differs from FA4's own deterministic backward"
 
 
 def test_explain_names_fa4_and_refusals():
