@@ -237,7 +237,8 @@ def test_a_replayed_backward_is_fa4s_own_backward(case, monkeypatch):
         kv_shape[head_axis] = hkv
     if fmt == "thd":
         lens = kw.pop("cu_seqlens_q")
-        kw.update(cu_seqlens_q=_cu(lens), cu_seqlens_kv=_cu(lens), max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+        cu = _cu(lens)  # one tensor for both: FA4's causal mask needs equal lengths (bottom-right alignment)
+        kw.update(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
     q, dout = _rand(*shape, seed=1), _rand(*shape, seed=4)
     k, v = _rand(*kv_shape, seed=2), _rand(*kv_shape, seed=3)
     sinks = _rand(shape[head_axis], seed=5) if kw.get("softmax_type") == "learnable" else None
