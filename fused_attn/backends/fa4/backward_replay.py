@@ -70,11 +70,13 @@ class _Own(NamedTuple):
 
 
 class _Buffer(NamedTuple):
-    """A tensor argument: a view (shape, stride, storage offset) of the buffer allocated at `index`."""
+    """A tensor argument: a view (shape, stride, storage offset) of the buffer allocated at
+    `index`, or the buffer itself (`whole`)."""
     index: int
     shape: tuple
     stride: tuple
     offset: int
+    whole: bool
 
 
 class _Aux(NamedTuple):
@@ -89,8 +91,11 @@ class _Container(NamedTuple):
 
 
 class _Launch(NamedTuple):
+    """A kernel launch: its arguments, and the positions among them rebuilt per call (the rest
+    are constants passed as they are)."""
     kernel: Callable[..., Any]
     arguments: tuple
+    per_call: tuple
 
 
 class Replay(NamedTuple):
@@ -221,7 +226,7 @@ def _template(steps: list, grads: tuple, own: Sequence[Optional[torch.Tensor]], 
                 return _Own(views.index(view))
             i = buffer_of(a)
             launched.add(i)
-            return _Buffer(i, tuple(a.shape), tuple(a.stride()), a.storage_offset())
+            return _Buffer(i, tuple(a.shape), tuple(a.stride()), a.storage_offset(), view == _view(buffers[i]))
         if type(a) is aux_kind:
             if not (_identical(a.tensors, aux_tensors) and _identical(a.scalars, aux_scalars)):
                 raise _Refused("FA4's backward launched with aux data that is not the call's own")
@@ -249,7 +254,9 @@ def _template(steps: list, grads: tuple, own: Sequence[Optional[torch.Tensor]], 
             _, kernel, args, kwargs = step
             if kwargs:
                 raise _Refused(f"FA4's backward launched a kernel with keyword arguments {sorted(kwargs)}")
-            out.append(_Launch(kernel, tuple(argument(a) for a in args)))
+            arguments = tuple(argument(a) for a in args)
+            per_call = tuple(i for i, a in enumerate(arguments) if type(a) in (_Own, _Buffer, _Aux, _Container))
+            out.append(_Launch(kernel, arguments, per_call))
     results = []
     for g in grads:
         i = buffer_of(g) if isinstance(g, torch.Tensor) else -1
@@ -272,9 +279,7 @@ def replay(entry: Replay, own: Sequence[Optional[torch.Tensor]], aux_tensors: Op
             return own[a.index].detach()
         if kind is _Buffer:
             base = buffers[a.index]
-            if a.shape == base.shape and a.stride == base.stride() and a.offset == base.storage_offset():
-                return base
-            return base.as_strided(a.shape, a.stride, a.offset)
+            return base if a.whole else base.as_strided(a.shape, a.stride, a.offset)
         if kind is _Aux:
             return a.kind(aux_tensors, aux_scalars)
         if kind is _Container:
@@ -289,5 +294,8 @@ def replay(entry: Replay, own: Sequence[Optional[torch.Tensor]], aux_tensors: Op
                 t.fill_(step.fill)
             buffers.append(t)
         else:
-            step.kernel(*(argument(a) for a in step.arguments))
+            args = list(step.arguments)
+            for i in step.per_call:
+                args[i] = argument(args[i])
+            step.kernel(*args)
     return tuple(buffers[i] for i in entry.results)
