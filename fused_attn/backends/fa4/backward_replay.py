@@ -41,12 +41,12 @@ __all__ = ["Replay", "OWN_NAMES", "record", "replay"]
 OWN_NAMES = ("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "cu_seqlens_k", "learnable_sink")
 
 _aten = torch.ops.aten
-#: allocations: op -> the fill they leave (None: uninitialized; "arg": the op's fill argument)
+#: allocations: op -> the fill they leave (None: uninitialized; ("arg", i): the op's positional argument i)
 _ALLOCATIONS: Dict[Any, Any] = {
     _aten.empty.memory_format: None, _aten.empty_like.default: None, _aten.empty_strided.default: None,
     _aten.new_empty.default: None, _aten.new_empty_strided.default: None,
     _aten.zeros.default: 0, _aten.zeros_like.default: 0, _aten.new_zeros.default: 0,
-    _aten.full.default: "arg", _aten.full_like.default: "arg", _aten.new_full.default: "arg",
+    _aten.full.default: ("arg", 1), _aten.full_like.default: ("arg", 1), _aten.new_full.default: ("arg", 2),
 }
 _FILLS = {_aten.zero_.default, _aten.fill_.Scalar}
 _VIEWS = {_aten.detach.default, _aten.alias.default, _aten.view.default, _aten._unsafe_view.default,
@@ -126,8 +126,8 @@ class _Log(TorchDispatchMode):
             return result
         if func in _ALLOCATIONS:
             fill = _ALLOCATIONS[func]
-            if fill == "arg":
-                fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
+            if type(fill) is tuple:
+                fill = args[fill[1]] if len(args) > fill[1] else kwargs.get("fill_value")
             self.steps.append(("alloc", result, fill))
         elif func in _FILLS:
             self.steps.append(("fill", args[0], 0 if func is _aten.zero_.default else args[1]))

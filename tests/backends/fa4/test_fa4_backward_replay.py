@@ -227,3 +227,21 @@ def test_the_caches_come_back_when_the_call_raises(monkeypatch):
     with pytest.raises(RuntimeError, match="bad call"):
         backward_replay.record(boom, _own(*_tensors(0)), None, None)
     assert fa._flash_attn_bwd.compile_cache is cache
+
+
+@pytest.mark.parametrize("make", [
+    lambda q: torch.full((3, 2), 2.5),
+    lambda q: torch.full_like(q, 2.5),
+    lambda q: q.new_full((3, 2), 2.5),
+    lambda q: torch.zeros(3, 2),
+    lambda q: torch.empty(3, 2).fill_(2.5),
+])
+def test_each_kind_of_allocation_is_logged_with_its_fill(make):
+    log = backward_replay._Log()
+    q = torch.randn(2, 3)
+    with log:
+        made = make(q)
+    allocs = [s for s in log.steps if s[0] == "alloc"]
+    fills = [s[2] for s in log.steps if s[0] == "fill"]
+    assert log.other is None and len(allocs) == 1 and allocs[0][1].data_ptr() == made.data_ptr()
+    assert (fills[-1] if fills else allocs[0][2]) == (0 if torch.all(made == 0) else 2.5)
