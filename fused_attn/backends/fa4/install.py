@@ -25,7 +25,7 @@ SUPPORTED_MAJORS = (9, 10)
 
 _lock = threading.Lock()
 _state: Dict[str, Any] = {}
-#: held while the library replaces one of FA4's compile caches (`persist_kernels`, `launch.record`)
+#: held while the library replaces one of FA4's compile caches (`persist_kernels`, `replay.record`)
 _swap_lock = threading.Lock()
 
 
@@ -121,5 +121,5 @@ def persist_kernels(directory: Optional[Any]) -> None:
 
 def cache_swap_lock() -> threading.Lock:
     """The lock held while one of FA4's compile caches is replaced (by `persist_kernels`, or
-    watched for one call by `launch.record`): never taken while FA4 is being imported."""
+    watched for one call by `replay.record`): never taken while FA4 is being imported."""
     return _swap_lock

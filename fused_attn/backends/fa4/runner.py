@@ -9,20 +9,20 @@ lse: fp32 (B, H, Sq) dense / (H, Tq) thd, with sinks folded in, as the reference
 Per call the runner reads the mod's values: the window of a library mask, the
 tensors and scalars of a generated CuTe mod, the library's softcap among them (aux tensors /
 aux scalars: new values never recompile).
-The forward launches FA4's kernel as recorded for the call's signature (`launch`), the
-backward allocates FA4's buffers and launches its kernels as recorded (`backward_replay`):
+The forward and the backward replay FA4's calls as recorded for the call's signature
+(`recorded`, `replay`: FA4's buffers allocated, its kernels launched with the call's tensors):
 FA4's host path runs once or twice per signature, and on every call where a recording is refused.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from ...cache import GRAPH_CACHE
 from ...problem import Band
-from . import backward_replay, cute_load, install, launch
+from . import cute_load, install, recorded, replay
 from .support import Plan, window
 
 __all__ = ["Fa4Runner"]
@@ -79,7 +79,7 @@ class Fa4Runner:
         store = GRAPH_CACHE.store
         install.persist_kernels(None if store is None else store.directory)
         self.fns = None if plan.source is None else cute_load.load(plan.source)
-        self.owner = launch.new_owner()  # keys this runner's recorded launches and backwards
+        self.owner = recorded.new_owner()  # keys this runner's recorded calls
         self.quirks: Tuple[str, ...] = ()
 
     # -- per-call kernel arguments
@@ -133,27 +133,12 @@ class Fa4Runner:
         return out, (lse if self.return_lse else None), (q, k, v, out, lse), (varlen, mod, sinks)
 
     def _launch_forward(self, q, k, v, out, lse, args: Dict[str, Any]) -> None:
-        """FA4's forward into `out` and `lse` ((B, S, H, D) views): its recorded launch for this
-        call's signature where there is one (`launch`), else FA4's function (recording it)."""
+        """FA4's forward into `out` and `lse` ((B, S, H, D) views), replayed where recorded."""
         own = (q, k, v, out, lse, args.get("cu_seqlens_q"), args.get("cu_seqlens_k"), args.get("learnable_sink"))
-        aux_tensors, aux_scalars = args.get("aux_tensors"), args.get("aux_scalars")
-        constants = (args["softmax_scale"], args["causal"], args["window_size_left"], args["window_size_right"],
-                     args.get("max_seqlen_q"), args.get("max_seqlen_k"))
-        sig = launch.signature(own, aux_tensors, aux_scalars, constants)
-        entry = launch.lookup(self.owner, sig)
-        if type(entry) is launch.Launch:
-            launch.launch(entry, own, aux_tensors, aux_scalars)
-            return
-
-        def run() -> None:
-            install.module()._flash_attn_fwd(q, k, v, out=out, lse=lse, return_lse=True, **args)
-
-        if entry is not None:  # a signature FA4's own path serves (launch.Host)
-            run()
-            return
-        got = launch.record(run, own, aux_tensors, aux_scalars)
-        if got is not None:
-            launch.store(self.owner, sig, got)
+        constants = ("forward", args["softmax_scale"], args["causal"], args["window_size_left"],
+                     args["window_size_right"], args.get("max_seqlen_q"), args.get("max_seqlen_k"))
+        self._recorded_call(own, args, constants, lambda: install.module()._flash_attn_fwd(
+            q, k, v, out=out, lse=lse, return_lse=True, **args))
 
     def backward(self, state, saved, grad_out):
         varlen, mod, sinks = state
@@ -192,23 +177,25 @@ class Fa4Runner:
 
     def _launch_backward(self, own: tuple, args: Dict[str, Any]) -> tuple:
         """FA4's backward of `own` (q, k, v, out, dout as (B, S, H, D) views, lse, cu_seqlens,
-        sinks): replayed as recorded for this call's signature where there is a recording
-        (`backward_replay`), else FA4's function (recording it)."""
-        aux_tensors, aux_scalars = args.get("aux_tensors"), args.get("aux_scalars")
+        sinks), replayed where recorded: (dq, dk, dv[, dsinks])."""
+        q, k, v, out, dout, lse = own[:6]
         constants = ("backward", args["softmax_scale"], args["causal"], args["window_size_left"],
                      args["window_size_right"], args.get("max_seqlen_q"), args.get("max_seqlen_k"), self.deterministic)
-        sig = launch.signature(own, aux_tensors, aux_scalars, constants)
-        entry = launch.lookup(self.owner, sig)
-        if type(entry) is backward_replay.Replay:
-            return backward_replay.replay(entry, own, aux_tensors, aux_scalars)
+        return self._recorded_call(own, args, constants, lambda: install.module()._flash_attn_bwd(
+            q, k, v, out, dout, lse, deterministic=self.deterministic, **args))
 
-        def run() -> tuple:
-            q, k, v, out, dout, lse = own[:6]
-            return install.module()._flash_attn_bwd(q, k, v, out, dout, lse, deterministic=self.deterministic, **args)
-
-        if entry is not None:  # a signature FA4's own path serves (launch.Host)
+    def _recorded_call(self, own: tuple, args: Dict[str, Any], constants: tuple, run: Callable[[], Any]) -> Any:
+        """`run()` (one FA4 call on `own`), or its recording replayed with `own` and this call's
+        aux data where the signature has one (`replay`); the first calls of a signature run FA4's
+        function and record it."""
+        aux_tensors, aux_scalars = args.get("aux_tensors"), args.get("aux_scalars")
+        sig = recorded.signature(own, aux_tensors, aux_scalars, constants)
+        entry = recorded.lookup(self.owner, sig)
+        if type(entry) is replay.Replay:
+            return replay.replay(entry, own, aux_tensors, aux_scalars)
+        if entry is not None:  # a signature FA4's own path serves (recorded.Host)
             return run()
-        got, recorded = backward_replay.record(run, own, aux_tensors, aux_scalars)
-        if recorded is not None:
-            launch.store(self.owner, sig, recorded)
+        got, recording = replay.record(run, own, aux_tensors, aux_scalars)
+        if recording is not None:
+            recorded.store(self.owner, sig, recording)
         return got

@@ -43,9 +43,9 @@ def _run(backend, dtype, q, k, v, dout, sinks=None, **kw):
 
 def check(name, q, k, v, dout, sinks=None, **kw):
     """fa4 vs the float64 reference, out (and lse) and every gradient, bounds from the bf16 reference.
-    Two fa4 calls on other values compile the kernels, record the forward's launch
-    (`fused_attn.backends.fa4.launch`) and the backward (`backward_replay`, which records on the
-    call after the compiling one); the checked call replays both with its own tensors."""
+    Two fa4 calls on other values compile the kernels and record the forward and the backward
+    (`fused_attn.backends.fa4.replay`, which records on the call after the compiling one); the
+    checked call replays both with its own tensors."""
     exact = _run("reference", torch.float64, q, k, v, dout, sinks, **kw)
     same = _run("reference", DT, q, k, v, dout, sinks, **kw)
     _run("fa4", DT, q.flip(-1), k, -v, dout, sinks, **kw)
@@ -167,50 +167,11 @@ def test_scalar_value_change_keeps_the_compiled_kernel():
     testing.assert_close(b.double(), exact, testing.bound_from(same, exact, DT), "slope 0.01 after 0.5")
 
 
-RECORDED = {
-    "causal bshd": dict(shape=(2, 256, 4, 64), attn_mask_type="causal"),
-    "window sinks gqa sbhd": dict(shape=(256, 2, 4, 64), hkv=2, qkv_format="sbhd", window_size=(32, 0),
-                                  attn_mask_type="causal", softmax_type="learnable"),
-    "softcap bhsd": dict(shape=(2, 4, 256, 64), qkv_format="bhsd", score_mod=sm.softcap(20.0)),
-}
-
-
-@pytest.mark.parametrize("case", list(RECORDED))
-def test_a_recorded_forward_launch_is_fa4s_own_launch(case):
-    """The second call of a signature launches the recorded kernel: bit for bit the first call's
-    output and lse, with the launch memo's hit counted; self-attention (q is k is v) and distinct
-    tensors of the same shapes are told apart."""
-    from fused_attn.backends.fa4 import launch
-
-    kw = dict(RECORDED[case])
-    shape, hkv = kw.pop("shape"), kw.pop("hkv", None)
-    fmt = kw.get("qkv_format", "bshd")
-    kv_shape = list(shape)
-    if hkv is not None:
-        kv_shape[{"bshd": 2, "sbhd": 2, "bhsd": 1}[fmt]] = hkv
-    q = _rand(*shape, seed=1).to(DT)
-    k, v = _rand(*kv_shape, seed=2).to(DT), _rand(*kv_shape, seed=3).to(DT)
-    if kw.get("softmax_type") == "learnable":
-        kw["sinks"] = _rand(shape[{"bshd": 2, "sbhd": 2, "bhsd": 1}[fmt]], seed=4).float()
-    kw.update(backend="fa4", return_lse=True)
-    first = fused_attn.dot_product_attention(q, k, v, **kw)
-    hits = launch.info().hits
-    second = fused_attn.dot_product_attention(q, k, v, **kw)
-    assert launch.info().hits == hits + 1
-    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-    if hkv is None:  # self-attention after distinct tensors: its own recording, right values
-        fused_attn.dot_product_attention(q, q, q, **kw)
-        got = fused_attn.dot_product_attention(q, q, q, **kw)[0]
-        ref_kw = {n: x for n, x in kw.items() if n not in ("backend", "return_lse")}
-        exact = fused_attn.dot_product_attention(q.double(), q.double(), q.double(), backend="reference", **ref_kw)
-        same = fused_attn.dot_product_attention(q, q, q, backend="reference", **ref_kw)
-        testing.assert_close(got.double(), exact, testing.bound_from(same, exact, DT), f"{case} q is k is v")
-
-
 def _cu(lens):
     return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
 
 
+#: cases of the recorded-call tests: shape of q (and of dout), hkv, then dot_product_attention keywords
 REPLAYED = {
     "causal bshd deterministic": dict(shape=(2, 256, 4, 64), attn_mask_type="causal", deterministic=True),
     "gqa window sinks sbhd": dict(shape=(256, 2, 8, 64), hkv=2, qkv_format="sbhd", window_size=(32, 0),
@@ -221,15 +182,9 @@ REPLAYED = {
 }
 
 
-@pytest.mark.parametrize("case", list(REPLAYED))
-def test_a_replayed_backward_is_fa4s_own_backward(case, monkeypatch):
-    """A fwd+bwd after FA4's own backward of a signature (recorded) replays it (`backward_replay`:
-    FA4's buffers allocated and its kernels launched without its host path): no recording and one
-    replay on that call, gradients (dsinks included) against the float64
-    reference, and bit for bit FA4's own backward where the backward is deterministic."""
-    from fused_attn.backends.fa4 import backward_replay, launch
-
-    kw = dict(REPLAYED[case])
+def _case(name):
+    """(q, k, v, dout, sinks, keywords) of a REPLAYED case, on fresh random values."""
+    kw = dict(REPLAYED[name])
     shape, hkv, fmt = kw.pop("shape"), kw.pop("hkv", None), kw.get("qkv_format", "bshd")
     head_axis = {"bshd": 2, "sbhd": 2, "bhsd": 1, "thd": 1}[fmt]
     kv_shape = list(shape)
@@ -242,30 +197,82 @@ def test_a_replayed_backward_is_fa4s_own_backward(case, monkeypatch):
     q, dout = _rand(*shape, seed=1), _rand(*shape, seed=4)
     k, v = _rand(*kv_shape, seed=2), _rand(*kv_shape, seed=3)
     sinks = _rand(shape[head_axis], seed=5) if kw.get("softmax_type") == "learnable" else None
-    calls = {"record": 0, "replay": 0}
-    recorded = []  # what each recording concluded (a Host says why it is not replayed)
+    return q, k, v, dout, sinks, kw
+
+
+def _counting(monkeypatch):
+    """Counts `replay.record` / `replay.replay` calls and keeps what each recording concluded
+    (a Host says why a signature is not replayed)."""
+    from fused_attn.backends.fa4 import replay
+
+    calls = {"record": 0, "replay": 0, "recorded": []}
 
     def counted(name):
-        real = getattr(backward_replay, name)
+        real = getattr(replay, name)
 
         def wrapper(*a, **k):
             calls[name] += 1
             got = real(*a, **k)
             if name == "record":
-                recorded.append(type(got[1]).__name__ if type(got[1]) is backward_replay.Replay else got[1])
+                calls["recorded"].append("Replay" if type(got[1]) is replay.Replay else got[1])
             return got
         return wrapper
 
-    monkeypatch.setattr(backward_replay, "record", counted("record"))
-    monkeypatch.setattr(backward_replay, "replay", counted("replay"))
-    _run("fa4", DT, q.flip(-1), k, -v, dout, sinks, **kw)  # compiles (or finds) the kernels
-    with monkeypatch.context() as forced:  # FA4's own path, whatever earlier calls recorded; it records
-        forced.setattr(launch, "lookup", lambda owner, sig: None)
-        own = _run("fa4", DT, q, k, v, dout, sinks, **kw)
-    before = dict(calls)
-    got = _run("fa4", DT, q, k, v, dout, sinks, **kw)
+    monkeypatch.setattr(replay, "record", counted("record"))
+    monkeypatch.setattr(replay, "replay", counted("replay"))
+    return calls
+
+
+def _on_fa4s_own_path(monkeypatch, run):
+    """run() with every FA4 call on FA4's own function (each records), whatever earlier calls
+    recorded."""
+    from fused_attn.backends.fa4 import recorded
+
+    with monkeypatch.context() as forced:
+        forced.setattr(recorded, "lookup", lambda owner, sig: None)
+        return run()
+
+
+@pytest.mark.parametrize("case", list(REPLAYED))
+def test_a_replayed_forward_is_fa4s_own_forward(case, monkeypatch):
+    """A forward after FA4's own forward of a signature (recorded) replays it (thd included: its
+    scheduler's buffers are allocated again): one replay and no recording on that call, and bit
+    for bit FA4's own output and lse; self-attention (q is k is v) is a signature of its own."""
+    q, k, v, _, sinks, kw = _case(case)
+    q, k, v = (t.to(DT) for t in (q, k, v))
+    kw.update(backend="fa4", return_lse=True, sinks=None if sinks is None else sinks.float())
+    fused_attn.dot_product_attention(q.flip(-1), k, v, **kw)  # compiles (or finds) the kernel
+    calls = _counting(monkeypatch)
+    own = _on_fa4s_own_path(monkeypatch, lambda: fused_attn.dot_product_attention(q, k, v, **kw))
+    before = dict(calls, recorded=list(calls["recorded"]))
+    got = fused_attn.dot_product_attention(q, k, v, **kw)
     assert calls["replay"] == before["replay"] + 1 and calls["record"] == before["record"], (
-        f"{case}: the third backward was not replayed ({before} -> {calls}; recordings: {recorded})")
+        f"{case}: the forward was not replayed ({calls['recorded']})")
+    assert torch.equal(got[0], own[0]) and torch.equal(got[1], own[1]), f"{case}: the replay differs from FA4's own"
+    if kw.get("qkv_format") in ("bshd", "sbhd", "bhsd") and q.shape == k.shape:  # self-attention
+        fused_attn.dot_product_attention(q, q, q, **kw)
+        fused_attn.dot_product_attention(q, q, q, **kw)
+        replayed = fused_attn.dot_product_attention(q, q, q, **kw)[0]
+        ref_kw = {n: x for n, x in kw.items() if n not in ("backend", "return_lse")}
+        exact = fused_attn.dot_product_attention(q.double(), q.double(), q.double(), backend="reference", **ref_kw)
+        same = fused_attn.dot_product_attention(q, q, q, backend="reference", **ref_kw)
+        testing.assert_close(replayed.double(), exact, testing.bound_from(same, exact, DT), f"{case} q is k is v")
+
+
+@pytest.mark.parametrize("case", list(REPLAYED))
+def test_a_replayed_backward_is_fa4s_own_backward(case, monkeypatch):
+    """A fwd+bwd after FA4's own fwd+bwd of a signature (recorded) replays both (the backward's
+    buffers allocated and its kernels launched without FA4's host path): no recording and two
+    replays on that call, gradients (dsinks included) against the float64 reference, and bit for
+    bit FA4's own backward where the backward is deterministic."""
+    q, k, v, dout, sinks, kw = _case(case)
+    _run("fa4", DT, q.flip(-1), k, -v, dout, sinks, **kw)  # compiles (or finds) the kernels
+    calls = _counting(monkeypatch)
+    own = _on_fa4s_own_path(monkeypatch, lambda: _run("fa4", DT, q, k, v, dout, sinks, **kw))
+    before = dict(calls, recorded=list(calls["recorded"]))
+    got = _run("fa4", DT, q, k, v, dout, sinks, **kw)
+    assert calls["replay"] == before["replay"] + 2 and calls["record"] == before["record"], (
+        f"{case}: the fwd+bwd was not replayed ({calls['recorded']})")
     exact = _run("reference", torch.float64, q, k, v, dout, sinks, **kw)
     same = _run("reference", DT, q, k, v, dout, sinks, **kw)
     for what, g, o, e, s in zip(("dq", "dk", "dv", "dsinks"), got[2], own[2], exact[2], same[2]):

@@ -1,4 +1,4 @@
-"""Recorded FA4 backwards (`fused_attn.backends.fa4.backward_replay`) without a GPU: a stand-in for
+"""Recorded FA4 backwards (`fused_attn.backends.fa4.replay`) without a GPU: a stand-in for
 FA4's interface whose `_flash_attn_bwd` does what FA4's does on the host (allocates buffers with
 empty / zeros, launches a preprocess, a main and postprocess "kernels" through three compile
 caches, one of them with a named tuple of tensors, and returns buffers it allocated) computing on
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from fused_attn.backends.fa4 import backward_replay, install, launch
+from fused_attn.backends.fa4 import install, recorded, replay
 
 
 class AuxData(NamedTuple):
@@ -136,10 +136,10 @@ def _run(fa, t, scale=0.5, aux_tensors=None, aux_scalars=None):
 
 def _recorded(fa, t, aux_tensors=None, aux_scalars=None):
     """Record on a second call (the first one compiles, so it concludes nothing)."""
-    first = backward_replay.record(_run(fa, t, aux_tensors=aux_tensors, aux_scalars=aux_scalars), _own(*t),
+    first = replay.record(_run(fa, t, aux_tensors=aux_tensors, aux_scalars=aux_scalars), _own(*t),
                                    aux_tensors, aux_scalars)
     assert first[1] is None
-    return backward_replay.record(_run(fa, t, aux_tensors=aux_tensors, aux_scalars=aux_scalars), _own(*t),
+    return replay.record(_run(fa, t, aux_tensors=aux_tensors, aux_scalars=aux_scalars), _own(*t),
                                   aux_tensors, aux_scalars)
 
 
@@ -149,12 +149,12 @@ def test_a_replay_gives_fa4s_own_gradients_for_a_later_calls_tensors_and_aux_dat
     table, scalars = [torch.randn(5)], (1.5,)
     t = _tensors(0, sink=sink)
     grads, entry = _recorded(fa, t, table, scalars)
-    assert type(entry) is backward_replay.Replay and fa.calls == 2
+    assert type(entry) is replay.Replay and fa.calls == 2
     assert all(torch.equal(a, b) for a, b in zip(grads, _run(fa, t, aux_tensors=table, aux_scalars=scalars)()))
 
     t2, table2, scalars2 = _tensors(1, sink=sink), [torch.randn(5)], (-2.0,)
     calls = fa.calls
-    got = backward_replay.replay(entry, _own(*t2), table2, scalars2)
+    got = replay.replay(entry, _own(*t2), table2, scalars2)
     assert fa.calls == calls  # FA4's host path did not run
     expected = _run(fa, t2, aux_tensors=table2, aux_scalars=scalars2)()
     assert len(got) == len(expected) == (4 if sink else 3)
@@ -164,12 +164,12 @@ def test_a_replay_gives_fa4s_own_gradients_for_a_later_calls_tensors_and_aux_dat
 def test_a_zero_filled_buffer_is_zero_filled_on_replay(monkeypatch):
     fa = _fake(monkeypatch)
     _, entry = _recorded(fa, _tensors(0))
-    allocs = [s for s in entry.steps if type(s) is backward_replay._Alloc]
+    allocs = [s for s in entry.steps if type(s) is replay._Alloc]
     assert [a.fill for a in allocs] == [None, None, None, None, None, 0]  # dq dk dv dpsum dq_acc | dk_acc
     # the stand-in's main kernel accumulates into dk_acc: garbage there would reach dk
     monkeypatch.setattr(torch, "empty_strided", lambda *a, **kw: torch.full(a[0], 7.0, dtype=kw["dtype"]))
     t2 = _tensors(1)
-    got = backward_replay.replay(entry, _own(*t2), None, None)
+    got = replay.replay(entry, _own(*t2), None, None)
     assert torch.equal(got[1], t2[1] * t2[4])
 
 
@@ -182,16 +182,16 @@ def test_host_work_that_cannot_be_replayed_keeps_the_signature_on_fa4s_path(monk
     fa = _fake(monkeypatch, **{kind: True})
     t = _tensors(0)
     grads, entry = _recorded(fa, t)
-    assert type(entry) is launch.Host and why in entry.why
+    assert type(entry) is recorded.Host and why in entry.why
     assert all(torch.equal(a, b) for a, b in zip(grads, _run(fa, t)()))  # the call itself ran as usual
 
 
 def test_aux_data_that_is_not_the_calls_own_is_refused(monkeypatch):
     fa = _fake(monkeypatch)
     t, table = _tensors(0), [torch.randn(5)]
-    backward_replay.record(_run(fa, t, aux_tensors=table), _own(*t), table, None)
-    _, entry = backward_replay.record(_run(fa, t, aux_tensors=table), _own(*t), [table[0].clone()], None)
-    assert type(entry) is launch.Host and "aux data" in entry.why
+    replay.record(_run(fa, t, aux_tensors=table), _own(*t), table, None)
+    _, entry = replay.record(_run(fa, t, aux_tensors=table), _own(*t), [table[0].clone()], None)
+    assert type(entry) is recorded.Host and "aux data" in entry.why
 
 
 def test_a_recording_keeps_no_tensor_alive_and_the_caches_come_back(monkeypatch):
@@ -200,7 +200,7 @@ def test_a_recording_keeps_no_tensor_alive_and_the_caches_come_back(monkeypatch)
     t = _tensors(0)
     refs = [weakref.ref(x) for x in t if x is not None]
     grads, entry = _recorded(fa, t)
-    assert type(entry) is backward_replay.Replay
+    assert type(entry) is replay.Replay
     assert [fa._flash_attn_bwd.compile_cache, fa._bwd_preprocess.compile_cache] == caches
     assert all(type(c) is dict for c in caches)
     del t, grads
@@ -225,7 +225,7 @@ def test_the_caches_come_back_when_the_call_raises(monkeypatch):
         raise RuntimeError("bad call")
 
     with pytest.raises(RuntimeError, match="bad call"):
-        backward_replay.record(boom, _own(*_tensors(0)), None, None)
+        replay.record(boom, _own(*_tensors(0)), None, None)
     assert fa._flash_attn_bwd.compile_cache is cache
 
 
@@ -237,7 +237,7 @@ def test_the_caches_come_back_when_the_call_raises(monkeypatch):
     lambda q: torch.empty(3, 2).fill_(2.5),
 ])
 def test_each_kind_of_allocation_is_logged_with_its_fill(make):
-    log = backward_replay._Log()
+    log = replay._Log()
     q = torch.randn(2, 3)
     with log:
         made = make(q)

@@ -1,27 +1,27 @@
-"""Recorded backward passes of flash-attn-4: the same kernels on the same kind of buffers, without
+"""Recorded calls of flash-attn-4, replayed: the same kernels on the same kind of buffers, without
 FA4's host path on every call.
 
-`_flash_attn_bwd` spends several hundred microseconds of host time per call choosing tiles,
-building compile keys and allocating its buffers, and then launches a few compiled kernels
-(preprocess, the main kernel, one to three postprocess conversions, with sinks a reduction).
-Everything it decides is fixed by the call's signature (`launch.signature`: the tensors'
-metadata and aliasing, the aux data's types, the other arguments). So the first call of a
-signature runs FA4's function with every compile cache of its interface watched and the torch
-operations it runs logged (`record`); later calls allocate the same buffers and launch the same
-kernels with their own tensors and aux data (`replay`).
+`_flash_attn_fwd` and `_flash_attn_bwd` spend most of a call's host time choosing tiles,
+building compile keys and allocating buffers, and then launch a few compiled kernels (the
+forward: its kernel, for varlen its scheduler's tile sums first; the backward: a preprocess, the
+main kernel, one to three postprocess conversions). Everything they decide is fixed by the call's
+signature (`recorded.signature`). So a call of a signature runs FA4's function with every compile
+cache of its interface watched and the torch operations it runs logged (`record`); later calls
+allocate the same buffers and launch the same kernels with their own tensors and aux data
+(`replay`).
 
 A recording is kept only where it repeats the very same work:
 - every torch operation FA4 ran was an allocation (empty / zeros / full, `_like` or not), an
   in-place fill of a buffer it had just allocated and not yet handed to a kernel, or a view;
-- every kernel launch was positional, through one of the interface's compile caches, and each
-  tensor argument is one of the call's own (exactly: the same memory, shape, strides and dtype)
-  or a view of a buffer FA4 allocated in this call; the aux data is the call's aux tensors and
-  scalars; every other argument is an immutable constant;
-- what FA4 returned are buffers it allocated in this call;
+- at least one kernel was launched, every launch positional, through one of the interface's
+  compile caches, and each tensor argument is one of the call's own (exactly: the same memory,
+  shape, strides and dtype) or a view of a buffer FA4 allocated in this call; the aux data is the
+  call's aux tensors and scalars; every other argument is an immutable constant;
+- what FA4 returned are the call's own tensors, whole buffers it allocated, or constants;
 - no kernel was compiled during the call (a first call records again on the next one).
-Anything else (a copy of a misaligned input, varlen tile sums computed on the host, ...) keeps
-the signature on FA4's own path, with the reason (`launch.Host`). A stored recording holds no
-tensor: allocations are kept as (shape, strides, dtype, device, fill).
+Anything else (a copy of a misaligned input, split-KV partials combined through a view of the
+call's lse, ...) keeps the signature on FA4's own path, with the reason (`recorded.Host`). A stored
+recording holds no tensor: allocations are kept as (shape, strides, dtype, device, fill).
 """
 
 from __future__ import annotations
@@ -33,12 +33,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import install
-from .launch import Host, _constant, _identical, _view
+from .recorded import Host, view as _view
 
-__all__ = ["Replay", "OWN_NAMES", "record", "replay"]
-
-#: positions of the call's own tensors in `own` (the order `record` / `replay` take them)
-OWN_NAMES = ("q", "k", "v", "out", "dout", "lse", "cu_seqlens_q", "cu_seqlens_k", "learnable_sink")
+__all__ = ["Replay", "record", "replay"]
 
 _aten = torch.ops.aten
 #: allocations: op -> the fill they leave (None: uninitialized; ("arg", i): the op's positional argument i)
@@ -99,9 +96,29 @@ class _Launch(NamedTuple):
 
 
 class Replay(NamedTuple):
-    """A recorded backward: allocations and launches in FA4's order, and which buffers it returns."""
+    """A recorded call: allocations and launches in FA4's order, and what it returns (templated
+    like a launch's arguments)."""
     steps: tuple
-    results: tuple
+    results: Any
+
+
+def _is_cute_scalar(x: Any) -> bool:
+    kind = type(x)
+    return kind.__module__.startswith("cutlass") and any(c.__name__ == "Numeric" for c in kind.__mro__)
+
+
+def _constant(x: Any) -> bool:
+    if x is None or type(x) in (bool, int, float, str):
+        return True
+    if type(x) is tuple:
+        return all(_constant(e) for e in x)
+    return _is_cute_scalar(x)
+
+
+def _identical(got: Optional[Sequence[Any]], own: Optional[Sequence[Any]]) -> bool:
+    """Element-wise `is` (never `==`: tensors compare element-wise); None counts as empty."""
+    got, own = tuple(got or ()), tuple(own or ())
+    return len(got) == len(own) and all(x is y for x, y in zip(got, own))
 
 
 class _Refused(Exception):
@@ -175,11 +192,11 @@ def _caches(interface: Any) -> List[Any]:
     return [fn for fn in vars(interface).values() if callable(fn) and hasattr(fn, "compile_cache")]
 
 
-def record(run: Callable[[], tuple], own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
-           aux_scalars: Optional[tuple]) -> Tuple[tuple, Union[Replay, Host, None]]:
-    """Run `run()` (one `_flash_attn_bwd` call with these own tensors and aux data) watched:
-    (its gradients, the `Replay` / a `Host` with the reason / None when a kernel was compiled
-    during the call, so that nothing is concluded yet)."""
+def record(run: Callable[[], Any], own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
+           aux_scalars: Optional[tuple]) -> Tuple[Any, Union[Replay, Host, None]]:
+    """Run `run()` (one call of FA4's `_flash_attn_fwd` / `_flash_attn_bwd` with these own
+    tensors and aux data) watched: (what it returned, the `Replay` / a `Host` with the reason /
+    None when a kernel was compiled during the call, so that nothing is concluded yet)."""
     interface = install.module()
     log, compiled = _Log(), []
     with install.cache_swap_lock():
@@ -189,21 +206,21 @@ def record(run: Callable[[], tuple], own: Sequence[Optional[torch.Tensor]], aux_
             fn.compile_cache = _Watched(cache, log, threading.get_ident(), compiled)
         try:
             with log:
-                grads = run()
+                returned = run()
         finally:
             for fn, cache in zip(fns, real):
                 fn.compile_cache = cache
     if compiled:
-        return grads, None
+        return returned, None
     if log.other is not None:
-        return grads, Host(f"FA4's backward ran {log.other} on its host path")
+        return returned, Host(f"FA4 ran {log.other} on its host path")
     try:
-        return grads, _template(log.steps, grads, own, aux_tensors, aux_scalars, interface.utils.AuxData)
+        return returned, _template(log.steps, returned, own, aux_tensors, aux_scalars, interface.utils.AuxData)
     except _Refused as why:
-        return grads, Host(str(why))
+        return returned, Host(str(why))
 
 
-def _template(steps: list, grads: tuple, own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
+def _template(steps: list, returned: Any, own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
               aux_scalars: Optional[tuple], aux_kind: type) -> Replay:
     views = [None if t is None else _view(t) for t in own]
     buffers: List[torch.Tensor] = []   # FA4's allocations, in order (alive for the recording only)
@@ -216,7 +233,7 @@ def _template(steps: list, grads: tuple, own: Sequence[Optional[torch.Tensor]], 
         for i in range(len(buffers) - 1, -1, -1):
             if buffers[i].untyped_storage().data_ptr() == base and buffers[i].device == t.device:
                 return i
-        raise _Refused(f"FA4's backward passed a tensor {tuple(t.shape)} {t.dtype} that is neither the "
+        raise _Refused(f"FA4 passed a tensor {tuple(t.shape)} {t.dtype} that is neither the "
                        "call's own nor allocated in the call")
 
     def argument(a: Any) -> Any:
@@ -229,47 +246,47 @@ def _template(steps: list, grads: tuple, own: Sequence[Optional[torch.Tensor]], 
             return _Buffer(i, tuple(a.shape), tuple(a.stride()), a.storage_offset(), view == _view(buffers[i]))
         if type(a) is aux_kind:
             if not (_identical(a.tensors, aux_tensors) and _identical(a.scalars, aux_scalars)):
-                raise _Refused("FA4's backward launched with aux data that is not the call's own")
+                raise _Refused("FA4 launched with aux data that is not the call's own")
             return _Aux(aux_kind)
         if _constant(a):
             return a
         if isinstance(a, (tuple, list)):  # a tuple subclass is a named tuple: rebuilt from positions
             return _Container(type(a), tuple(argument(e) for e in a))
-        raise _Refused(f"FA4's backward launched a kernel with a {type(a).__name__} argument")
+        raise _Refused(f"FA4 launched a kernel with a {type(a).__name__} argument")
 
     for step in steps:
         if step[0] == "alloc":
             t, fill = step[1], step[2]
             if not isinstance(t, torch.Tensor):
-                raise _Refused("an allocation of FA4's backward returned no tensor")
+                raise _Refused("an allocation of FA4's returned no tensor")
             buffers.append(t)
             positions.append(len(out))
             out.append(_Alloc(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, fill))
         elif step[0] == "fill":
             i = buffer_of(step[1])
             if i in launched or _view(step[1]) != _view(buffers[i]):
-                raise _Refused("FA4's backward filled a buffer after a kernel used it, or a part of one")
+                raise _Refused("FA4 filled a buffer after a kernel used it, or a part of one")
             out[positions[i]] = out[positions[i]]._replace(fill=step[2])
         else:
             _, kernel, args, kwargs = step
             if kwargs:
-                raise _Refused(f"FA4's backward launched a kernel with keyword arguments {sorted(kwargs)}")
+                raise _Refused(f"FA4 launched a kernel with keyword arguments {sorted(kwargs)}")
             arguments = tuple(argument(a) for a in args)
             per_call = tuple(i for i, a in enumerate(arguments) if type(a) in (_Own, _Buffer, _Aux, _Container))
             out.append(_Launch(kernel, arguments, per_call))
-    results = []
-    for g in grads:
-        i = buffer_of(g) if isinstance(g, torch.Tensor) else -1
-        if i < 0 or _view(g) != _view(buffers[i]):
-            raise _Refused("FA4's backward returned something other than buffers it allocated")
-        results.append(i)
-    return Replay(tuple(out), tuple(results))
+    if not any(type(step) is _Launch for step in out):
+        raise _Refused("FA4 launched no kernel for this signature (an empty problem)")
+    results = _Container(tuple, tuple(argument(r) for r in (returned if isinstance(returned, tuple) else (returned,))))
+    for r in results.items:
+        if type(r) is _Buffer and not r.whole:
+            raise _Refused("FA4 returned a view of one of its buffers")
+    return Replay(tuple(out), results)
 
 
 def replay(entry: Replay, own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
            aux_scalars: Optional[tuple]) -> tuple:
     """Allocate the recorded buffers and launch the recorded kernels with this call's own tensors
-    and aux data (on the current stream, as FA4's function does); the gradients it returns."""
+    and aux data (on the current stream, as FA4's function does); what FA4's function returns."""
     buffers: List[torch.Tensor] = []
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
 
@@ -298,4 +315,4 @@ def replay(entry: Replay, own: Sequence[Optional[torch.Tensor]], aux_tensors: Op
             for i in step.per_call:
                 args[i] = argument(args[i])
             step.kernel(*args)
-    return tuple(buffers[i] for i in entry.results)
+    return argument(entry.results)
