@@ -135,9 +135,7 @@ class Fa4Runner:
     def _launch_forward(self, q, k, v, out, lse, args: Dict[str, Any]) -> None:
         """FA4's forward into `out` and `lse` ((B, S, H, D) views), replayed where recorded."""
         own = (q, k, v, out, lse, args.get("cu_seqlens_q"), args.get("cu_seqlens_k"), args.get("learnable_sink"))
-        constants = ("forward", args["softmax_scale"], args["causal"], args["window_size_left"],
-                     args["window_size_right"], args.get("max_seqlen_q"), args.get("max_seqlen_k"))
-        self._recorded_call(own, args, constants, lambda: install.module()._flash_attn_fwd(
+        self._recorded_call("forward", own, args, lambda: install.module()._flash_attn_fwd(
             q, k, v, out=out, lse=lse, return_lse=True, **args))
 
     def backward(self, state, saved, grad_out):
@@ -179,16 +177,17 @@ class Fa4Runner:
         """FA4's backward of `own` (q, k, v, out, dout as (B, S, H, D) views, lse, cu_seqlens,
         sinks), replayed where recorded: (dq, dk, dv[, dsinks])."""
         q, k, v, out, dout, lse = own[:6]
-        constants = ("backward", args["softmax_scale"], args["causal"], args["window_size_left"],
-                     args["window_size_right"], args.get("max_seqlen_q"), args.get("max_seqlen_k"), self.deterministic)
-        return self._recorded_call(own, args, constants, lambda: install.module()._flash_attn_bwd(
+        return self._recorded_call("backward", own, args, lambda: install.module()._flash_attn_bwd(
             q, k, v, out, dout, lse, deterministic=self.deterministic, **args))
 
-    def _recorded_call(self, own: tuple, args: Dict[str, Any], constants: tuple, run: Callable[[], Any]) -> Any:
-        """`run()` (one FA4 call on `own`), or its recording replayed with `own` and this call's
-        aux data where the signature has one (`replay`); the first calls of a signature run FA4's
-        function and record it."""
+    def _recorded_call(self, call: str, own: tuple, args: Dict[str, Any], run: Callable[[], Any]) -> Any:
+        """`run()` (one FA4 call, "forward" or "backward", on `own` with `args`), or its recording
+        replayed with `own` and this call's aux data where the signature has one (`replay`); the
+        first calls of a signature run FA4's function and record it. What the runner fixes (the
+        score_mod callables, deterministic) is in no signature: recordings are the runner's own."""
         aux_tensors, aux_scalars = args.get("aux_tensors"), args.get("aux_scalars")
+        constants = (call, args["softmax_scale"], args["causal"], args["window_size_left"], args["window_size_right"],
+                     args.get("max_seqlen_q"), args.get("max_seqlen_k"))
         sig = recorded.signature(own, aux_tensors, aux_scalars, constants)
         entry = recorded.lookup(self.owner, sig)
         if type(entry) is replay.Replay:
