@@ -147,6 +147,23 @@ def cudnn_status() -> str:
             f"{getattr(cudnn, '__version__', 'unknown')}, torch's own cuDNN {torch.backends.cudnn.version()})")
 
 
+def engines_status() -> str:
+    """One line: each registered engine, and why it cannot run here where it cannot (e.g. the
+    FA4 engine without flash-attn-4 installed, with the command that adds it)."""
+    from . import engines
+
+    parts = []
+    for name in engines.names():
+        if name == "auto":
+            continue
+        try:
+            why = engines.get(name).unavailable()
+        except NotImplementedError as exc:
+            why = str(exc)
+        parts.append(f"{name}: ready" if why is None else f"{name}: not available ({why})")
+    return "engines: " + "; ".join(parts)
+
+
 def self_check() -> int:
     """Run the configuration table on the present device; 0 if every check passes."""
     cuda = torch.cuda.is_available()
@@ -161,6 +178,7 @@ def self_check() -> int:
     except ImportError:
         cases = [c for c in _cases(s) if c.softcap is None]
     print(cudnn_status())
+    print(engines_status())
     rows, failed = [], 0
     for case in progress(cases, desc="self-check"):
         try:

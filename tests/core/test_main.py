@@ -31,6 +31,29 @@ def test_cudnn_status_on_cpu_names_the_engines_that_run():
     assert "none loaded" in line and "torch engine" in line and "reference backend" in line
 
 
+def test_engines_status_names_each_engine_and_why_it_cannot_run(monkeypatch):
+    from fused_attn import engines
+
+    class Unready:  # the Engine attributes the status line reads
+        name = "unready"
+
+        def unavailable(self):
+            return "needs a widget; pip install widget"
+
+    monkeypatch.setattr(engines, "names", lambda: ("auto", "unready", "reference"))
+    real_get = engines.get
+    monkeypatch.setattr(engines, "get", lambda n: Unready() if n == "unready" else real_get(n))
+    line = selfcheck.engines_status()
+    assert line == "engines: unready: not available (needs a widget; pip install widget); reference: ready"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only status line")
+def test_engines_status_on_cpu_lists_the_registered_engines():
+    line = selfcheck.engines_status()
+    assert "torch: ready" in line and "reference: ready" in line
+    assert "fa4: not available (the FA4 engine needs a CUDA GPU" in line and "auto" not in line
+
+
 def test_check_command_and_failure(monkeypatch, capsys):
     def broken(case, *args):
         raise RuntimeError("boom")
