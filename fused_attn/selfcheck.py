@@ -150,12 +150,10 @@ def cudnn_status() -> str:
 def engines_status() -> str:
     """One line: each registered engine, and why it cannot run here where it cannot (e.g. the
     FA4 engine without flash-attn-4 installed, with the command that adds it)."""
-    from . import engines
+    from . import engine_table, engines
 
     parts = []
-    for name in engines.names():
-        if name == "auto":
-            continue
+    for name in engine_table.engine_names():
         try:
             why = engines.get(name).unavailable()
         except NotImplementedError as exc:

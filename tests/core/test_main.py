@@ -32,7 +32,7 @@ def test_cudnn_status_on_cpu_names_the_engines_that_run():
 
 
 def test_engines_status_names_each_engine_and_why_it_cannot_run(monkeypatch):
-    from fused_attn import engines
+    from fused_attn import engine_table, engines
 
     class Unready:  # the Engine attributes the status line reads
         name = "unready"
@@ -40,7 +40,7 @@ def test_engines_status_names_each_engine_and_why_it_cannot_run(monkeypatch):
         def unavailable(self):
             return "needs a widget; pip install widget"
 
-    monkeypatch.setattr(engines, "names", lambda: ("auto", "unready", "reference"))
+    monkeypatch.setattr(engine_table, "engine_names", lambda: ("unready", "reference"))
     real_get = engines.get
     monkeypatch.setattr(engines, "get", lambda n: Unready() if n == "unready" else real_get(n))
     line = selfcheck.engines_status()
