@@ -18,11 +18,7 @@ import pytest
 import torch
 
 from fused_attn.backends.fa4 import install, recorded, replay
-
-
-class AuxData(NamedTuple):
-    tensors: object = None
-    scalars: object = None
+from helpers.fa4_stand_in import AuxData, tensors_in
 
 
 class SinkTensors(NamedTuple):
@@ -206,13 +202,6 @@ def test_a_recording_keeps_no_tensor_alive_and_the_caches_come_back(monkeypatch)
     del t, grads
     gc.collect()
     assert all(r() is None for r in refs)
-
-    def tensors_in(x):
-        if isinstance(x, torch.Tensor):
-            return 1
-        if isinstance(x, tuple):
-            return sum(tensors_in(e) for e in x)
-        return 0
 
     assert tensors_in(entry) == 0
 

@@ -10,17 +10,12 @@ from __future__ import annotations
 import gc
 import types
 import weakref
-from typing import NamedTuple
 
 import pytest
 import torch
 
 from fused_attn.backends.fa4 import install, recorded, replay
-
-
-class AuxData(NamedTuple):
-    tensors: object = None
-    scalars: object = None
+from helpers.fa4_stand_in import AuxData, tensors_in
 
 
 def _kernel(q, k, v, out, lse, scale, cu_q, cu_k, window, aux):
@@ -126,9 +121,6 @@ def test_a_recording_keeps_no_tensor_alive(fake):
     del q, k, v, out, lse
     gc.collect()
     assert all(r() is None for r in refs)
-
-    def tensors_in(x):
-        return 1 if isinstance(x, torch.Tensor) else sum(tensors_in(e) for e in x) if isinstance(x, tuple) else 0
 
     assert tensors_in(entry) == 0
 
