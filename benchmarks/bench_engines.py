@@ -162,7 +162,8 @@ def family_key(fam: Family, q, k, v, sinks, extra, grad: bool):
     """(family, seq) as backend="auto" looks them up."""
     leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
     ex = fused_attn.explain(*leaves, backend="auto", **ours_kwargs(fam, extra, sinks))
-    return ex.family, (extra["max_len"] if fam.varlen else fam.s), ex.backend, ex.reason
+    engine = ex.backend if ex.backward_backend in ("", ex.backend) else f"{ex.backend} fwd + {ex.backward_backend} bwd"
+    return ex.family, (extra["max_len"] if fam.varlen else fam.s), engine, ex.reason
 
 
 PEERS = ("flash-attn-4", "sdpa cudnn", "sdpa flash", "torch varlen_attn")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU half of the checks on a CUDA machine: the gpu-marked tests (the distributed ones when two
-# or more GPUs are present), then the benchmarks; logs, tables and CSVs go to OUTDIR/cudnn-<version>.
+# The GPU half of the checks on a CUDA machine: the gpu-marked tests (spread over the GPUs, and the
+# distributed ones, when two or more are present), then the benchmarks; logs, tables and CSVs go to OUTDIR/cudnn-<version>.
 # Usage: bash benchmarks/gpu_suite.sh OUTDIR [quick|full] [all|tests|bench] [CUDNN]
 #   CUDNN: the cuDNN this run is meant for, e.g. 9.19 (torch 2.11's pin) or 9.27 (install it with
 #   `pip install 'nvidia-cudnn-cu13==9.27.*'` in place of torch's copy); the run stops when the loaded
@@ -23,9 +23,13 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 rc=0
 if [ "$what" != bench ]; then
     extra=()
-    # pytest-xdist workers: half the host cores plus 4, at most 12 (graph building is host-bound)
-    workers=$(( $(nproc) / 2 + 4 )); [ "$workers" -gt 12 ] && workers=12
-    if python3 -c "import xdist" 2>/dev/null; then extra+=(-p xdist -n "$workers" -p helpers.cuda_isolation); fi
+    # pytest-xdist workers: half the host cores plus 4, at most 12 per GPU (graph building is
+    # host-bound); with several GPUs each worker takes one (tests/helpers/gpu_spread.py)
+    workers=$(( $(nproc) / 2 + 4 )); cap=$(( 12 * (ngpu > 0 ? ngpu : 1) )); [ "$workers" -gt "$cap" ] && workers=$cap
+    if python3 -c "import xdist" 2>/dev/null; then
+        extra+=(-p xdist -n "$workers" -p helpers.cuda_isolation)
+        if [ "$ngpu" -ge 2 ]; then extra+=(-p helpers.gpu_spread --gpus "$ngpu"); fi
+    fi
     if python3 -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout 300); fi
     PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfEx --durations 25 \
         "${extra[@]}" --ignore tests/distributed/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1

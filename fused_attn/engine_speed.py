@@ -15,6 +15,10 @@ engines whose wall time is within `WALL_TIE` of the fastest (indistinguishable o
 host), by GPU time (`*_gpu_ms`, a stable measurement; rows without it rank by wall alone).
 Engines without a row keep their default order after the measured ones; a family without rows
 keeps the default order (cuDNN first), and the reason says so: the choice is never silent.
+
+A training call may run its forward on one engine and its backward on another (`split`): an
+engine's backward costs its row's fwd+bwd minus its fwd, and a pair is taken when its forward plus
+its backward beats the best single engine's fwd+bwd by more than `WALL_TIE`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from . import device_facts
 from .cache_registry import register_lru
 
-__all__ = ["Measured", "WALL_TIE", "family", "rank", "table", "table_path", "arch_of", "seq_of", "clear"]
+__all__ = ["Measured", "WALL_TIE", "Split", "family", "rank", "split", "table", "table_path", "arch_of", "seq_of",
+           "clear"]
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "speed")
 
@@ -45,6 +50,13 @@ class Measured(NamedTuple):
     fwd_bwd: float
     fwd_gpu: Optional[float] = None
     fwd_bwd_gpu: Optional[float] = None
+
+
+class Split(NamedTuple):
+    """A training call's forward on one engine and its backward on another, and why."""
+    forward: str
+    backward: str
+    reason: str
 
 
 def _optional_ms(text: Optional[str]) -> Optional[float]:
@@ -164,3 +176,39 @@ def rank(problem: Any, candidates: Sequence[str]) -> Tuple[List[str], str]:
     label = "fwd+bwd" if problem.needs_grad else "fwd"
     how = f"; wall times within {WALL_TIE:.0%}: GPU time decides" if tie else ""
     return order + rest, f"measured on {arch} for {fam} near S={near[order[0]].seq} ({label}: {times}{how})"
+
+
+def _measured_rows(problem: Any) -> Tuple[Optional[str], str, Dict[str, Measured]]:
+    """(arch or None, family, engine -> its row nearest the problem's length)."""
+    arch = arch_of(problem.device)
+    fam = family(problem)
+    if arch is None:
+        return None, fam, {}
+    return arch, fam, _nearest(table(arch).get(fam, ()), seq_of(problem))
+
+
+def split(problem: Any, forward_engines: Sequence[str], backward_engines: Sequence[str],
+          single: Sequence[str]) -> Optional[Split]:
+    """The (forward engine, backward engine) pair of two different engines for a training call
+    when the table says it beats every engine of `single` (the engines that can serve the whole
+    call) by more than WALL_TIE of wall time per step, or None. An engine's backward costs its
+    fwd+bwd row minus its fwd row (wall per step; on a host-bound row that is its host path)."""
+    if not problem.needs_grad:
+        return None
+    arch, fam, near = _measured_rows(problem)
+    whole = [e for e in single if e in near]
+    if not whole:
+        return None
+    best = min(whole, key=lambda e: near[e].fwd_bwd)
+    best_cost = near[best].fwd_bwd
+    pairs = [(near[f].fwd + near[b].fwd_bwd - near[b].fwd, f, b)
+             for f in forward_engines if f in near for b in backward_engines if b in near and b != f]
+    if not pairs:
+        return None
+    cost, fwd, bwd = min(pairs)
+    if cost >= best_cost * (1 - WALL_TIE):
+        return None
+    why = (f"measured on {arch} for {fam} near S={near[fwd].seq}: {fwd}'s forward {near[fwd].fwd:.3f} ms + "
+           f"{bwd}'s backward {near[bwd].fwd_bwd - near[bwd].fwd:.3f} ms = {cost:.3f} ms per fwd+bwd against "
+           f"{best_cost:.3f} ms for {best} alone")
+    return Split(fwd, bwd, why)

@@ -16,9 +16,17 @@ call's tensors). Each one is an object with:
     grad_param_names(spec) -> set               score_mod tensor parameters it differentiates
     route(spec, mod, q, k, v, sinks, sig)       optional: a call it serves other than through one
                                                 plan (cuDNN: rectangles of a band), or None
+    split_halves: tuple                         optional: the halves of a training call its runners
+                                                serve for a pair of engines ("forward": they give
+                                                `forward_lse`; "backward": their `backward_with_lse`
+                                                gives the whole backward); none when absent
 
 A runner (one per plan) is documented by `Runner`. Engines never import each other; the core
 imports this module, never an engine's internals. `register` plugs in another engine.
+
+For backend="auto", a training call runs its forward on one engine and its backward on another
+where the measured table says that pair is faster than any one engine (`engine_speed.split`,
+`split_runner.SplitRunner`); `explain()` names both.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, runtime
 import torch
 
 from . import engine_speed, engine_table, planning
+from .split_runner import SplitRunner
 from .static import Refusal, StaticProblem
 
 __all__ = ["Engine", "Runner", "choose", "traced_choice", "names", "get", "register", "unregister", "route",
@@ -54,6 +63,9 @@ class Runner(Protocol):
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out, dest=None) -> tuple: ...
 
     def grad_inputs(self, mod: Any, sinks: Optional[torch.Tensor]) -> tuple: ...
+
+    # optional, for the forward half of a split (engines whose split_halves has "forward"):
+    # def forward_lse(self, saved: tuple) -> torch.Tensor   the forward's fp32 lse, layout as above
 
     def op_grads(self, mod: Any, sinks: Optional[torch.Tensor], grads: tuple) -> list: ...
 
@@ -197,6 +209,12 @@ def choose(problem: StaticProblem, build: bool = True) -> Tuple[str, str, Any]:
             continue
         candidates.append(name)
     order, why_order = engine_speed.rank(problem, candidates)
+    pair = _pair(problem, candidates)
+    if pair is not None:
+        got, why_not = _build_pair(problem, pair, build)
+        if got is not None:
+            return got
+        declined.append(why_not)
     for name in order:
         runner, why = _make(name, problem, build)
         if runner is not None:
@@ -205,6 +223,53 @@ def choose(problem: StaticProblem, build: bool = True) -> Tuple[str, str, Any]:
             return name, reason, runner if build else None
         declined.append(f"{name} cannot serve it: {why}")
     raise NotImplementedError("no engine can run this problem: " + "; ".join(declined))
+
+
+def _halves(name: str) -> Tuple[str, ...]:
+    try:
+        return tuple(getattr(get(name), "split_halves", ()))
+    except NotImplementedError:
+        return ()
+
+
+def _pair(problem: StaticProblem, candidates: List[str]) -> Optional[engine_speed.Split]:
+    """The measured (forward engine, backward engine) pair for a training call whose whole
+    backward is dq, dk, dv (no sinks, no score_mod tensor parameters, no dropout), or None."""
+    spec = problem.spec
+    if not problem.needs_grad or spec.has_sinks or problem.mod_tensors or spec.dropout_p or len(candidates) < 2:
+        return None
+    return engine_speed.split(problem, [c for c in candidates if "forward" in _halves(c)],
+                              [c for c in candidates if "backward" in _halves(c)], candidates)
+
+
+def _may_have_empty_rows(problem: StaticProblem) -> bool:
+    """Whether a query row may attend no key (its lse -inf): a score_mod other than a library
+    mask or softcap, a band that leaves out the diagonal or sits in a non-square problem, or thd
+    with separate query and key lengths."""
+    spec = problem.spec
+    mod = spec.score_mod
+    native = None if mod is None else mod.native_band
+    if mod is not None and native is None and mod.base_name != "softcap":
+        return True
+    if spec.is_packed and not problem.same_lengths:
+        return True
+    bounds = [(b.left, b.right) for b in (spec.band,) if b is not None] + ([tuple(native[:2])] if native else [])
+    square = spec.is_packed or problem.seqlen_q == problem.seqlen_kv
+    return any(not square or any(x is not None and x < 0 for x in pair) for pair in bounds)
+
+
+def _build_pair(problem: StaticProblem, pair: engine_speed.Split, build: bool) -> Tuple[Any, str]:
+    """((engine, reason, runner), "") for the pair's split runner, or (None, why it was not used)."""
+    reason = f"{pair.forward} serves the forward and {pair.backward} the backward ({pair.reason})"
+    if not build:
+        return (pair.forward, reason, None), ""
+    forward, why = _make(pair.forward, problem, True)
+    backward, why_b = _make(pair.backward, problem, True) if forward is not None else (None, None)
+    if forward is None or backward is None:
+        return None, f"the measured pair {pair.forward} + {pair.backward} was not built: {why or why_b}"
+    if not hasattr(forward, "forward_lse") or not hasattr(backward, "backward_with_lse"):
+        return None, f"the measured pair {pair.forward} + {pair.backward} lacks forward_lse / backward_with_lse"
+    return (pair.forward, reason, SplitRunner(forward, backward, _may_have_empty_rows(problem))), ""
 
 
 def _auto_devices(name: str) -> Tuple[str, ...]:

@@ -53,6 +53,8 @@ class Explanation(NamedTuple):
     quirks: Tuple[str, ...] = ()
     #: the problem family backend="auto" looks up in the measured engine tables (`engine_speed`)
     family: str = ""
+    #: the engine that runs the backward: `backend`, or another where auto splits a training call
+    backward_backend: str = ""
 
 
 class CallPlan:
@@ -281,7 +283,7 @@ def explain_plan(spec: AttentionSpec, mod: Any, q: Any, k: Any, v: Any, varlen: 
         warnings.simplefilter("ignore", FallbackWarning)
         plan = get_plan(spec, mod, q, k, v, varlen, sinks)
     return Explanation(plan.backend, plan.reason, plan.problem.describe(), tuple(getattr(plan.runner, "quirks", ())),
-                       engine_speed.family(plan.problem))
+                       engine_speed.family(plan.problem), getattr(plan.runner, "backward_backend", plan.backend))
 
 
 planning.install(planning.Planner(

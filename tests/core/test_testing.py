@@ -4,6 +4,7 @@ dense one, the attn_mask_type -> band conversion, and the bounds the one rule gi
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -85,3 +86,25 @@ def test_agreement_bound_is_the_floor_of_the_dtype():
     x = torch.tensor([[-3.0, 0.5]], dtype=torch.float64)
     assert agreement_bound(x) == DEFAULT_FLOOR[torch.float64] * 3.0
     assert agreement_bound(x[:, 1:], torch.float32) == DEFAULT_FLOOR[torch.float32]
+
+
+def test_gpu_spread_gives_each_xdist_worker_one_gpu(monkeypatch):
+    """tests/helpers/gpu_spread.py: worker gwI sees the I-th mod N of the visible GPUs; the
+    controller, a single GPU and a run without workers are left alone."""
+    from types import SimpleNamespace
+
+    from helpers import gpu_spread
+
+    def visible(worker, gpus, before=None):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker) if worker else monkeypatch.delenv("PYTEST_XDIST_WORKER",
+                                                                                             raising=False)
+        if before is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", before)
+        gpu_spread.pytest_configure(SimpleNamespace(getoption=lambda name: gpus))
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    assert [visible(f"gw{i}", 4) for i in range(6)] == ["0", "1", "2", "3", "0", "1"]
+    assert visible("gw5", 2, before="2,3") == "3"  # indexes the GPUs already visible
+    assert visible("gw3", 1) is None and visible("", 4) is None

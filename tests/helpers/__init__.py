@@ -14,6 +14,7 @@ padding_cases   padded batches with poisoned padding
 dist_cases, cp_cases    cases run inside spawned gloo groups (tests/distributed)
 store_worker, persistent_child, quirk_probes    code run in child processes
 cuda_isolation  a pytest plugin for GPU runs (`-p helpers.cuda_isolation`)
+gpu_spread      a pytest plugin that gives each xdist worker one of several GPUs (`-p helpers.gpu_spread --gpus N`)
 
 No helper imports a test file; no test file imports another test file.
 """

@@ -21,6 +21,10 @@ _MAX_HEAD_DIM = 256
 class CudnnEngine:
     name = "cudnn"
     auto_devices: Tuple[str, ...] = ("cuda",)
+    #: a training call's backward beside another engine's forward (`engines`): every runner's
+    #: `backward_with_lse` gives the whole backward from out and lse (its Stats layouts vary by
+    #: strategy, so it offers no forward half)
+    split_halves: Tuple[str, ...] = ("backward",)
 
     def unavailable(self) -> Optional[str]:
         return version.unavailable_reason()

@@ -19,6 +19,9 @@ __all__ = ["ENGINE", "Fa4Engine"]
 class Fa4Engine:
     name = "fa4"
     auto_devices: Tuple[str, ...] = ("cuda",)
+    #: a training call's forward or backward beside another engine (`engines`: the runner has
+    #: `forward_lse` and a whole backward from out and lse)
+    split_halves: Tuple[str, ...] = ("forward", "backward")
 
     def __init__(self) -> None:
         # the last (problem, decision) of this thread: `make_runner` follows `refusal` for the same

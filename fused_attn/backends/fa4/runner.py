@@ -132,6 +132,10 @@ class Fa4Runner:
             dest[1].copy_(lse.unsqueeze(-1))
         return out, (lse if self.return_lse else None), (q, k, v, out, lse), (varlen, mod, sinks)
 
+    def forward_lse(self, saved: tuple) -> torch.Tensor:
+        """The forward's fp32 lse ((B, H, Sq) dense / (H, Tq) thd, sinks folded in) from `saved`."""
+        return saved[4]
+
     def _launch_forward(self, q, k, v, out, lse, args: Dict[str, Any]) -> None:
         """FA4's forward into `out` and `lse` ((B, S, H, D) views), replayed where recorded."""
         own = (q, k, v, out, lse, args.get("cu_seqlens_q"), args.get("cu_seqlens_k"), args.get("learnable_sink"))
