@@ -26,12 +26,17 @@ if [ "$what" != bench ]; then
     # pytest-xdist workers: half the host cores plus 4, at most 12 per GPU (graph building is
     # host-bound); with several GPUs each worker takes one (tests/helpers/gpu_spread.py)
     workers=$(( $(nproc) / 2 + 4 )); cap=$(( 12 * (ngpu > 0 ? ngpu : 1) )); [ "$workers" -gt "$cap" ] && workers=$cap
+    threads=1
     if python3 -c "import xdist" 2>/dev/null; then
+        # each worker's CPU math (the float64 references) on its share of the cores instead of
+        # torch's default of a thread per core in every worker: with 36 workers on a 64-core host
+        # a test that runs alone in 33 s took 327 s, past the 300 s timeout
+        threads=$(( $(nproc) / workers )); [ "$threads" -lt 1 ] && threads=1
         extra+=(-p xdist -n "$workers" -p helpers.cuda_isolation)
         if [ "$ngpu" -ge 2 ]; then extra+=(-p helpers.gpu_spread --gpus "$ngpu"); fi
     fi
     if python3 -c "import pytest_timeout" 2>/dev/null; then extra+=(--timeout 300); fi
-    PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfEx --durations 25 \
+    OMP_NUM_THREADS=$threads PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests" python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfEx --durations 25 \
         "${extra[@]}" --ignore tests/distributed/test_distributed_gpu.py > "$out/gpu_tests.log" 2>&1 || rc=1
     tail -45 "$out/gpu_tests.log"
     if [ "$ngpu" -ge 2 ]; then
