@@ -196,8 +196,10 @@ def _run_plan(spec: AttentionSpec, mod: Any, query: Any, key: Any, value: Any, v
 def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> Explanation:
     """Which backend `dot_product_attention(query, key, value, **kwargs)` runs on, and why.
 
-    Returns Explanation(backend, reason, problem): e.g. ("reference", "cuDNN cannot serve it: ...",
-    "qkv_format='bshd', ..."). Makes (and caches) the call plan; runs no attention.
+    Returns Explanation(backend, reason, problem, quirks, family, backward_backend): e.g.
+    ("reference", "cuDNN cannot serve it: ...", "qkv_format='bshd', ...", ...). backend runs the
+    forward; backward_backend the backward (another engine where backend="auto" splits a training
+    call). Makes (and caches) the call plan; runs no attention.
     """
     cfg, varlen, sinks = _split_kwargs(kwargs, "explain")
     spec, mod = resolve_spec(**cfg)
