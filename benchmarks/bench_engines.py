@@ -162,7 +162,8 @@ def family_key(fam: Family, q, k, v, sinks, extra, grad: bool):
     """(family, seq) as backend="auto" looks them up."""
     leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
     ex = fused_attn.explain(*leaves, backend="auto", **ours_kwargs(fam, extra, sinks))
-    engine = ex.backend if ex.backward_backend in ("", ex.backend) else f"{ex.backend} fwd + {ex.backward_backend} bwd"
+    engine = ex.backend if ex.backward_backend in ("", ex.backend) else engine_speed.pair_name(ex.backend,
+                                                                                              ex.backward_backend)
     return ex.family, (extra["max_len"] if fam.varlen else fam.s), engine, ex.reason
 
 
@@ -219,8 +220,11 @@ def table_from_csv(path: str, arch: str) -> str:
 def write_table(rows: List[dict], arch: str) -> str:
     """Store the forced-engine rows ("fused_attn cudnn" / "fused_attn fa4") as the table `auto`
     ranks by (`fused_attn.engine_speed`): per family, length and engine, the cost per call
-    (`call_cost`) and the GPU time, forward and forward + backward; rows of families this run did
-    not measure are kept. Returns the table's path."""
+    (`call_cost`) and the GPU time, forward and forward + backward; and where `auto` split a
+    training call, its row as the pair's ("fa4+cudnn": `engine_speed.split` reads its fwd+bwd).
+    Rows of families this run did not measure are kept, and so are pair rows it did not re-measure
+    (a pair measured slower than one engine is not run again by auto, so not re-measured).
+    Returns the table's path."""
     path = engine_speed.table_path(arch)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     old = []
@@ -229,15 +233,18 @@ def write_table(rows: List[dict], arch: str) -> str:
             old = list(csv.DictReader(fh))
     new = {}
     for r in rows:
-        if r["impl"] in ("fused_attn cudnn", "fused_attn fa4") and r.get("fwd_gpu_ms") and r.get("fwd_bwd_gpu_ms"):
-            engine = r["impl"].split()[1]
+        pair = r["impl"] == "fused_attn auto" and "+" in str(r.get("auto_engine", ""))
+        forced = r["impl"] in ("fused_attn cudnn", "fused_attn fa4")
+        if (forced or pair) and r.get("fwd_gpu_ms") and r.get("fwd_bwd_gpu_ms"):
+            engine = r["auto_engine"] if pair else r["impl"].split()[1]
             new[(r["family"], str(r["seq"]), engine)] = dict(family=r["family"], seq=r["seq"], engine=engine,
                                                              fwd_ms=f"{call_cost(r, 'fwd'):.4f}",
                                                              fwd_bwd_ms=f"{call_cost(r, 'fwd_bwd'):.4f}",
                                                              fwd_gpu_ms=f"{float(r['fwd_gpu_ms']):.4f}",
                                                              fwd_bwd_gpu_ms=f"{float(r['fwd_bwd_gpu_ms']):.4f}")
     measured = {(f, s) for f, s, _ in new}
-    kept = [r for r in old if (r["family"], r["seq"]) not in measured]
+    kept = [r for r in old if (r["family"], r["seq"]) not in measured
+            or ("+" in r["engine"] and (r["family"], r["seq"], r["engine"]) not in new)]
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=["family", "seq", "engine", "fwd_ms", "fwd_bwd_ms", "fwd_gpu_ms",
                                            "fwd_bwd_gpu_ms"], restval="")

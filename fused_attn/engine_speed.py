@@ -16,9 +16,11 @@ host), by GPU time (`*_gpu_ms`, a stable measurement; rows without it rank by wa
 Engines without a row keep their default order after the measured ones; a family without rows
 keeps the default order (cuDNN first), and the reason says so: the choice is never silent.
 
-A training call may run its forward on one engine and its backward on another (`split`): an
-engine's backward costs its row's fwd+bwd minus its fwd, and a pair is taken when its forward plus
-its backward beats the best single engine's fwd+bwd by more than `WALL_TIE`.
+A training call may run its forward on one engine and its backward on another (`split`): a pair
+is taken when it beats the best single engine's fwd+bwd by more than `WALL_TIE`. Its cost is its
+own measured row where the table has one (engine "fa4+cudnn": what `bench engines` timed when
+`auto` ran that pair; only its fwd+bwd column is read), else the estimate from the single
+engines' rows: the forward engine's fwd plus the backward engine's fwd+bwd minus its fwd.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from . import device_facts
 from .cache_registry import register_lru
 
-__all__ = ["Measured", "WALL_TIE", "Split", "family", "rank", "split", "table", "table_path", "arch_of", "seq_of",
-           "clear"]
+__all__ = ["Measured", "WALL_TIE", "Split", "family", "rank", "split", "pair_name", "table", "table_path", "arch_of",
+           "seq_of", "clear"]
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "speed")
 
@@ -187,12 +189,27 @@ def _measured_rows(problem: Any) -> Tuple[Optional[str], str, Dict[str, Measured
     return arch, fam, _nearest(table(arch).get(fam, ()), seq_of(problem))
 
 
+def pair_name(forward: str, backward: str) -> str:
+    """The table's engine name of a split call: "fa4+cudnn" (forward engine + backward engine)."""
+    return f"{forward}+{backward}"
+
+
+def _pair_cost(near: Dict[str, Measured], fwd: str, bwd: str) -> Tuple[float, str]:
+    """(ms per fwd+bwd, how it is known) of a pair: its own measured row, else the estimate."""
+    own = near.get(pair_name(fwd, bwd))
+    if own is not None:
+        return own.fwd_bwd, f"{fwd} + {bwd} measured as a pair near S={own.seq}: {own.fwd_bwd:.3f} ms per fwd+bwd"
+    cost = near[fwd].fwd + near[bwd].fwd_bwd - near[bwd].fwd
+    return cost, (f"{fwd}'s forward {near[fwd].fwd:.3f} ms + {bwd}'s backward {near[bwd].fwd_bwd - near[bwd].fwd:.3f}"
+                  f" ms = {cost:.3f} ms per fwd+bwd")
+
+
 def split(problem: Any, forward_engines: Sequence[str], backward_engines: Sequence[str],
           single: Sequence[str]) -> Optional[Split]:
     """The (forward engine, backward engine) pair of two different engines for a training call
     when the table says it beats every engine of `single` (the engines that can serve the whole
-    call) by more than WALL_TIE of wall time per step, or None. An engine's backward costs its
-    fwd+bwd row minus its fwd row (wall per step; on a host-bound row that is its host path)."""
+    call) by more than WALL_TIE of wall time per step, or None (`_pair_cost`: the pair's own row,
+    else the forward's fwd plus the backward engine's fwd+bwd minus its fwd)."""
     if not problem.needs_grad:
         return None
     arch, fam, near = _measured_rows(problem)
@@ -201,14 +218,12 @@ def split(problem: Any, forward_engines: Sequence[str], backward_engines: Sequen
         return None
     best = min(whole, key=lambda e: near[e].fwd_bwd)
     best_cost = near[best].fwd_bwd
-    pairs = [(near[f].fwd + near[b].fwd_bwd - near[b].fwd, f, b)
+    pairs = [_pair_cost(near, f, b) + (f, b)
              for f in forward_engines if f in near for b in backward_engines if b in near and b != f]
     if not pairs:
         return None
-    cost, fwd, bwd = min(pairs)
+    cost, how, fwd, bwd = min(pairs)
     if cost >= best_cost * (1 - WALL_TIE):
         return None
-    why = (f"measured on {arch} for {fam} near S={near[fwd].seq}: {fwd}'s forward {near[fwd].fwd:.3f} ms + "
-           f"{bwd}'s backward {near[bwd].fwd_bwd - near[bwd].fwd:.3f} ms = {cost:.3f} ms per fwd+bwd against "
-           f"{best_cost:.3f} ms for {best} alone")
-    return Split(fwd, bwd, why)
+    return Split(fwd, bwd, f"measured on {arch} for {fam} near S={near[fwd].seq}: {how} against {best_cost:.3f} ms "
+                           f"for {best} alone")

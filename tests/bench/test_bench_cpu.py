@@ -505,3 +505,37 @@ def test_engine_wall_times_come_from_rounds_in_which_implementations_take_turns(
     assert calls == ["a", "a", "b", "b"] * 3
     # a: 500, 1500, 1000 ms per step -> median 1000, spread (1500 - 500) / 1000; b: 1000 every round
     assert got == {("a", False): (1000.0, 1.0), ("b", True): (1000.0, 0.0)}
+
+
+def test_the_engine_table_keeps_a_split_as_a_pair_row(monkeypatch, tmp_path):
+    """--write-table: the forced-engine rows, and auto's row where auto split the training call
+    as the pair's own row ("fa4+cudnn"); a pair row this run did not re-measure is kept, and
+    engine_speed.split then prices the pair by it."""
+    from benchmarks import bench_engines
+    from fused_attn import engine_speed
+
+    path = tmp_path / "sm90.csv"
+    fam = "dense/causal/softcap/vanilla/gqa/d64"
+    path.write_text("family,seq,engine,fwd_ms,fwd_bwd_ms,fwd_gpu_ms,fwd_bwd_gpu_ms\n"
+                    f"{fam},2048,cudnn,0.3,0.9,0.3,0.8\n{fam},2048,fa4+cudnn,0.2,0.95,0.1,0.6\n"
+                    "thd/none/none/vanilla/mha/d64,1931,fa4+cudnn,0.2,0.6,0.1,0.5\n")
+    monkeypatch.setattr(engine_speed, "table_path", lambda arch: str(path))
+
+    def row(impl, auto_engine, fwd, fwd_bwd, family=fam):
+        return dict(impl=impl, family=family, seq=2048, auto_engine=auto_engine, fwd_wall_ms=fwd,
+                    fwd_bwd_wall_ms=fwd_bwd, fwd_gpu_ms=fwd, fwd_bwd_gpu_ms=fwd_bwd)
+
+    try:
+        bench_engines.write_table([row("fused_attn cudnn", "fa4+cudnn", 0.32, 0.87),
+                                   row("fused_attn fa4", "fa4+cudnn", 0.24, 1.15),
+                                   row("fused_attn auto", "fa4+cudnn", 0.24, 0.79),
+                                   row("sdpa cudnn", "fa4+cudnn", 0.3, 0.8)], "sm90")
+        got = {(r["family"], r["engine"]): r["fwd_bwd_ms"] for r in csv.DictReader(open(path))}
+        assert got == {(fam, "cudnn"): "0.8700", (fam, "fa4"): "1.1500", (fam, "fa4+cudnn"): "0.7900",
+                       ("thd/none/none/vanilla/mha/d64", "fa4+cudnn"): "0.6"}
+        bench_engines.write_table([row("fused_attn cudnn", "cudnn", 0.32, 0.87),
+                                   row("fused_attn auto", "cudnn", 0.32, 0.87)], "sm90")
+        got = {(r["family"], r["engine"]) for r in csv.DictReader(open(path))}
+        assert (fam, "fa4+cudnn") in got and (fam, "fa4") not in got  # the pair row stays until re-measured
+    finally:
+        engine_speed.clear()

@@ -215,3 +215,18 @@ def test_split_picks_the_cheapest_pair_and_says_so(monkeypatch):
     assert "0.700 ms per fwd+bwd against 0.800 ms for c alone" in got.reason
     assert engine_speed.split(problem, ["a"], ["a"], ["a", "b", "c"]) is None  # a pair needs two engines
     assert engine_speed.split(dataclasses.replace(problem, needs_grad=False), ["a"], ["c"], ["a", "c"]) is None
+
+
+def test_a_measured_pair_row_prices_the_pair(monkeypatch):
+    """Where the table has the pair's own row (what bench engines timed when auto ran it), that
+    row decides: faster than the best single engine by more than WALL_TIE, the pair runs;
+    slower, it does not, whatever the estimate from the single engines' rows says."""
+    problem = P._static_problem(*_spec_and_mod(), *_qkv(), P.NO_VARLEN, None)
+    monkeypatch.setattr(engine_speed, "arch_of", lambda device: "sm90")
+    rows = {"a": (0.2, 1.3), "c": (0.3, 0.8), "a+c": (0.2, 0.74)}
+    monkeypatch.setattr(engine_speed, "table", lambda arch: _Rows(rows))
+    got = engine_speed.split(problem, ["a"], ["c"], ["a", "c"])
+    assert (got.forward, got.backward) == ("a", "c")
+    assert "a + c measured as a pair near S=64: 0.740 ms per fwd+bwd against 0.800 ms for c alone" in got.reason
+    rows["a+c"] = (0.2, 0.9)  # the estimate says 0.7; the pair measured 0.9
+    assert engine_speed.split(problem, ["a"], ["c"], ["a", "c"]) is None
