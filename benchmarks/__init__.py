@@ -112,9 +112,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     impls = None
     if args.impls is not None:
-        from .models import FA4_OURS, FA4_PEER, IMPLS
+        from .models import CUDNN_OURS, FA4_OURS, FA4_PEER, IMPLS
 
-        known = IMPLS + (FA4_OURS, FA4_PEER)
+        known = IMPLS + (FA4_OURS, FA4_PEER, CUDNN_OURS)
         impls = tuple(i.strip() for i in args.impls.split(",") if i.strip())
         bad = [i for i in impls if i not in known]
         if bad or not impls:

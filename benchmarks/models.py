@@ -7,7 +7,9 @@ Random-initialised Llama-, Gemma-2- and gpt-oss-style models (8 layers, hidden 1
 parameters) train in bf16 (forward, backward, AdamW step) with each `attn_implementation`:
 fused_attn, and transformers' sdpa, flex_attention and eager where the model supports them; on a
 GPU where flash-attn-4 runs also fused_attn with its FA4 engine forced ("fused_attn_fa4") and
-transformers' own "flash_attention_4" where this transformers has it.
+transformers' own "flash_attention_4" where this transformers has it. On request (`--impls`),
+"fused_attn_cudnn": fused_attn with its cuDNN engine forced, to set `backend="auto"`'s choices
+(FA4, cuDNN, or FA4's forward with cuDNN's backward) against one engine in the same run.
 
 Per model, first the correctness check: the logits of one batch (B1 S1024; quick: S512) from each
 implementation in bf16 against eager on an fp32 copy of the weights, within the project's rule
@@ -47,6 +49,8 @@ BENCH_FAMILIES = ("llama", "gemma2", "gpt_oss")
 IMPLS = ("fused_attn", "sdpa", "flex_attention", "eager")
 #: fused_attn with its flash-attn-4 engine forced, and transformers' own flash-attn-4 attention
 FA4_OURS, FA4_PEER = "fused_attn_fa4", "flash_attention_4"
+#: fused_attn with its cuDNN engine forced (only when asked for)
+CUDNN_OURS = "fused_attn_cudnn"
 
 
 def default_impls(device: torch.device) -> Tuple[str, ...]:
@@ -65,7 +69,7 @@ def default_impls(device: torch.device) -> Tuple[str, ...]:
 
 
 def _ours(impl: str) -> bool:
-    return impl in ("fused_attn", FA4_OURS)
+    return impl in ("fused_attn", FA4_OURS, CUDNN_OURS)
 
 
 def _tokens(batch: Dict[str, object]) -> int:
@@ -85,6 +89,8 @@ def run_model(family: str, quick: bool, device: torch.device, *, size: str = "be
     impls = tuple(impls) if impls is not None else default_impls(device)
     if FA4_OURS in impls:
         register(FA4_OURS, backend="fa4")
+    if CUDNN_OURS in impls:
+        register(CUDNN_OURS, backend="cudnn")
     # a fresh torch.compile cache per family: transformers compiles flex_attention once per process,
     # and the shapes and score_mods of earlier families count against dynamo's recompile limit, past
     # which flex_attention runs uncompiled (one H200 run: Gemma 2's packed flex step 450 ms of GPU and

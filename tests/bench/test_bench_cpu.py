@@ -93,7 +93,7 @@ def test_main_rejects_an_unknown_model_family(capsys):
 def test_main_rejects_an_unknown_model_implementation(capsys):
     assert main(["bench", "models", "--impls", "sdpa,nope"]) == 2
     out = capsys.readouterr().out
-    assert "'nope'" in out and "fused_attn_fa4" in out and "flash_attention_4" in out
+    assert "'nope'" in out and "fused_attn_fa4" in out and "flash_attention_4" in out and "fused_attn_cudnn" in out
 
 
 def test_models_suite_passes_its_impls_and_reports_after_each_family(monkeypatch):
