@@ -154,15 +154,13 @@ def rank(problem: Any, candidates: Sequence[str]) -> Tuple[List[str], str]:
     """(candidates in the order to try, why that order). Only engines with a measured row of the
     problem's family move; the rest keep their default order after them."""
     candidates = list(candidates)
-    arch = arch_of(problem.device)
-    if arch is None or len(candidates) < 2:
+    if len(candidates) < 2:
         return candidates, ""
-    fam = family(problem)
-    rows = table(arch).get(fam)
-    if not rows:
+    arch, fam, near = _measured_rows(problem)
+    if arch is None:
+        return candidates, ""
+    if not near:
         return candidates, f"no measurement for {fam} on {arch}: the default order"
-    seq = seq_of(problem)
-    near = _nearest(rows, seq)
     measured = [c for c in candidates if c in near]
     if len(measured) < 2:
         return candidates, f"fewer than two measured engines for {fam} on {arch}: the default order"

@@ -16,6 +16,8 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
+from .lse_backward import into_dest, weightless_empty_rows
+
 __all__ = ["SplitRunner"]
 
 
@@ -58,10 +60,6 @@ class SplitRunner:
 
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out, dest=None) -> tuple:
         if self.clear_empty_rows:
-            lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+            lse = weightless_empty_rows(lse)
         grads = self.backward_runner.backward_with_lse(q, k, v, out, lse, varlen, mod, sinks, grad_out)
-        if dest is None:
-            return tuple(grads[:3])
-        for d, g in zip(dest[1:], grads[1:3]):
-            d.copy_(g)
-        return (grads[0],) + tuple(dest[1:])
+        return into_dest(tuple(grads[:3]), dest)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..lse_backward import into_dest
 from ..static import NO_VARLEN
 from . import reference_math
 from .reference_math import AttentionProblem, acc_dtype
@@ -103,12 +104,7 @@ class ReferenceRunner:
         (H, Tq)) may span more keys than k, v hold (one chunk of a larger attention): the
         partial weights exp(score - lse) give dV = P^T dO and dS = P * (dP - rowsum(dO * out)).
         dest: (None, dK, dV) views to copy dK and dV into (returned in their place)."""
-        grads = self._backward_with_lse(q, k, v, out, lse, varlen, mod, sinks, grad_out)
-        if dest is None:
-            return grads
-        for d, g in zip(dest[1:], grads[1:3]):
-            d.copy_(g)
-        return (grads[0],) + tuple(dest[1:]) + grads[3:]
+        return into_dest(self._backward_with_lse(q, k, v, out, lse, varlen, mod, sinks, grad_out), dest)
 
     def _backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out):
         extras = _grad_tensors(mod, sinks)

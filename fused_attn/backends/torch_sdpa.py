@@ -29,6 +29,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ..layouts import from_logical
+from ..lse_backward import into_dest, weightless_empty_rows
 from ..problem import Band
 from . import torch_flex
 
@@ -136,13 +137,7 @@ class SdpaRunner:
         them. Rows with lse -inf (no key anywhere) weigh nothing."""
         # the kernel's own lse dtype: its accumulation type (float64 for float64 inputs, else fp32)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        raw = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse).to(acc)
-        grads = self._backward(q, k, v, out, raw, varlen, grad_out)
-        if dest is None:
-            return grads
-        for d, g in zip(dest[1:], grads[1:3]):
-            d.copy_(g)
-        return (grads[0],) + tuple(dest[1:])
+        return into_dest(self._backward(q, k, v, out, weightless_empty_rows(lse).to(acc), varlen, grad_out), dest)
 
     # -- the math
     def _inputs(self, q, k, v, varlen) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],

@@ -230,3 +230,18 @@ def test_a_measured_pair_row_prices_the_pair(monkeypatch):
     assert "a + c measured as a pair near S=64: 0.740 ms per fwd+bwd against 0.800 ms for c alone" in got.reason
     rows["a+c"] = (0.2, 0.9)  # the estimate says 0.7; the pair measured 0.9
     assert engine_speed.split(problem, ["a"], ["c"], ["a", "c"]) is None
+
+
+def test_the_backward_from_a_given_lse_shares_its_two_steps():
+    """fused_attn.lse_backward, used by every runner's backward_with_lse and the split: -inf rows
+    become +inf (weight 0), and dK / dV land in caller-owned views when given."""
+    from fused_attn.lse_backward import into_dest, weightless_empty_rows
+
+    lse = torch.tensor([[1.5, float("-inf"), -3.0]])
+    assert torch.equal(weightless_empty_rows(lse), torch.tensor([[1.5, float("inf"), -3.0]]))
+    grads = (torch.ones(2), torch.full((2,), 2.0), torch.full((2,), 3.0), torch.full((1,), 4.0))
+    assert into_dest(grads, None) is grads
+    dk, dv = torch.zeros(2), torch.zeros(2)
+    got = into_dest(grads, (None, dk, dv))
+    assert got[1] is dk and got[2] is dv and torch.equal(dk, grads[1]) and torch.equal(dv, grads[2])
+    assert got[0] is grads[0] and got[3] is grads[3]

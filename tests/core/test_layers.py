@@ -18,7 +18,7 @@ LAYERS = (
     ("base", lambda m: m in {f"fused_attn.{n}" for n in (
         "problem", "spec", "layouts", "validation", "length_checks", "memo", "cache_registry", "cache", "key_range",
         "static", "mod_values", "extensions", "planning", "mod_axes", "graph_store", "graph_file", "engine_table",
-        "engine_speed", "device_facts", "tensor_kind", "progress", "split_runner")}),
+        "engine_speed", "device_facts", "tensor_kind", "progress", "split_runner", "lse_backward")}),
     ("backends", lambda m: m.startswith("fused_attn.backends")),
     ("engines", lambda m: m == "fused_attn.engines"),
     ("runtime", lambda m: m in {"fused_attn.plan", "fused_attn.autograd", "fused_attn.ops", "fused_attn.abstract"}),

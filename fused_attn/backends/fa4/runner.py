@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ...cache import GRAPH_CACHE
+from ...lse_backward import into_dest, weightless_empty_rows
 from ...problem import Band
 from . import cute_load, install, recorded, replay
 from .support import Plan, window
@@ -154,14 +155,8 @@ class Fa4Runner:
     def backward_with_lse(self, q, k, v, out, lse, varlen, mod, sinks, grad_out, dest=None):
         """Gradients of one chunk of a larger attention whose output and fp32 lse are given."""
         lse = lse.detach().to(torch.float32)
-        # rows with lse -inf (no key anywhere) weigh nothing: exp(s - inf) = 0, where -inf would give inf
-        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse).contiguous()
-        grads = self._backward(q, k, v, out, lse, varlen, mod, sinks, grad_out)
-        if dest is None:
-            return grads
-        for d, g in zip(dest[1:], grads[1:3]):
-            d.copy_(g)
-        return (grads[0],) + tuple(dest[1:]) + tuple(grads[3:])
+        lse = weightless_empty_rows(lse).contiguous()
+        return into_dest(self._backward(q, k, v, out, lse, varlen, mod, sinks, grad_out), dest)
 
     def _backward(self, q, k, v, out, lse, varlen, mod, sinks, grad_out) -> tuple:
         args = self._common(varlen, mod, sinks, q)
