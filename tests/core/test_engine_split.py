@@ -6,7 +6,7 @@ for FA4 (forward half) and cuDNN (backward half); the table is a stub too."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import pytest
 import torch
@@ -18,22 +18,15 @@ from fused_attn import plan as P
 from fused_attn.backends import reference
 from fused_attn.testing import agreement_bound, assert_attention_close, assert_close
 from helpers.attention import band_mask, cu_seqlens
+from helpers.stub_engines import StubEngineBase
 
 
-class HalfEngine:
+class HalfEngine(StubEngineBase):
     """A CPU engine on the reference's math that counts which of its runners' halves ran."""
-
-    auto_devices: Tuple[str, ...] = ("cpu",)
 
     def __init__(self, name: str, halves: Tuple[str, ...]) -> None:
         self.name, self.split_halves = name, halves
         self.ran = {"forward": 0, "backward": 0, "backward_with_lse": 0}
-
-    def unavailable(self) -> Optional[str]:
-        return None
-
-    def refusal(self, problem: Any) -> Optional[str]:
-        return None
 
     def make_runner(self, problem: Any) -> Any:
         engine, inner = self, reference.make_runner(problem)
@@ -65,18 +58,6 @@ class HalfEngine:
                 return inner.backward_with_lse(*args, **kwargs)
 
         return Runner()
-
-    def saved_shape(self, make_problem: Any, query_rows: int) -> Tuple[int, ...]:
-        return (0,)
-
-    def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor:
-        return query.new_empty((0,), dtype=torch.float32)
-
-    def traced_refusal(self, device_type, dtype, head_dim, head_dim_v) -> Optional[str]:
-        return None
-
-    def grad_param_names(self, spec: Any) -> set:
-        return set()
 
 
 @pytest.fixture

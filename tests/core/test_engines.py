@@ -4,7 +4,7 @@ its reason, explained, and gone again after `unregister`."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -13,19 +13,14 @@ import fused_attn
 from fused_attn import engines
 from fused_attn.backends import reference
 from fused_attn.testing import assert_close, bound_from, reference_attention
+from helpers.stub_engines import StubEngineBase
 
 
-class StubEngine:
+class StubEngine(StubEngineBase):
     """Serves CPU float32 problems with the reference's math, counting its runs."""
-
-    name = "stub"
-    auto_devices: Tuple[str, ...] = ("cpu",)
 
     def __init__(self) -> None:
         self.runs = 0
-
-    def unavailable(self) -> Optional[str]:
-        return None
 
     def refusal(self, problem: Any) -> Optional[str]:
         if problem.dtype != torch.float32:
@@ -47,17 +42,8 @@ class StubEngine:
 
         return Runner()
 
-    def saved_shape(self, make_problem: Any, query_rows: int) -> Tuple[int, ...]:
-        return (0,)
-
-    def op_saved(self, saved: tuple, query: torch.Tensor) -> torch.Tensor:
-        return query.new_empty((0,), dtype=torch.float32)
-
     def traced_refusal(self, device_type, dtype, head_dim, head_dim_v) -> Optional[str]:
         return None if device_type == "cpu" and dtype == torch.float32 else "float32 CPU tensors only"
-
-    def grad_param_names(self, spec: Any) -> set:
-        return set()
 
 
 @pytest.fixture

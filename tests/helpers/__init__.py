@@ -13,6 +13,7 @@ hf_models       tiny transformers models, batches and the model-level comparison
 padding_cases   padded batches with poisoned padding
 dist_cases, cp_cases    cases run inside spawned gloo groups (tests/distributed)
 store_worker, persistent_child, quirk_probes    code run in child processes
+stub_engines    a base for stub engines plugged into fused_attn.engines
 cuda_isolation  a pytest plugin for GPU runs (`-p helpers.cuda_isolation`)
 gpu_spread      a pytest plugin that gives each xdist worker one of several GPUs (`-p helpers.gpu_spread --gpus N`)
 

@@ -15,6 +15,7 @@ from fused_attn.backends.fa4 import cute_source, install, support
 from fused_attn.problem import Band
 from fused_attn.spec import AttentionSpec
 from fused_attn.static import StaticProblem
+from helpers.stub_engines import StubEngineBase
 
 
 def _problem(spec_kw=None, **kw) -> StaticProblem:
@@ -228,32 +229,17 @@ def test_the_table_reads_rows_with_and_without_gpu_times(monkeypatch, tmp_path):
                     engine_speed.Measured(2048, "fa4", 0.1, 0.5, None, None)]  # the malformed row is skipped
 
 
-class _Stub:
+class _Stub(StubEngineBase):
     auto_devices = ("cuda",)
 
     def __init__(self, name):
         self.name = name
 
-    def unavailable(self):
-        return None
-
-    def refusal(self, problem):
-        return None
-
     def make_runner(self, problem):
         return f"runner of {self.name}"
 
-    def saved_shape(self, make_problem, query_rows):
-        return (0,)
-
-    def op_saved(self, saved, query):
-        return query.new_empty((0,))
-
     def traced_refusal(self, *args):
         return "stub"
-
-    def grad_param_names(self, spec):
-        return set()
 
 
 def test_choose_follows_the_table(monkeypatch):
