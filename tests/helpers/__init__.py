@@ -14,6 +14,7 @@ padding_cases   padded batches with poisoned padding
 dist_cases, cp_cases    cases run inside spawned gloo groups (tests/distributed)
 store_worker, persistent_child, quirk_probes    code run in child processes
 stub_engines    a base for stub engines plugged into fused_attn.engines
+fa4_gpu_cases   seeded inputs per layout and one backend run, for the FA4 GPU test files
 cuda_isolation  a pytest plugin for GPU runs (`-p helpers.cuda_isolation`)
 gpu_spread      a pytest plugin that gives each xdist worker one of several GPUs (`-p helpers.gpu_spread --gpus N`)
 

@@ -14,6 +14,9 @@ pytestmark = pytest.mark.gpu
 
 fused_attn = pytest.importorskip("fused_attn")
 from fused_attn import engines, testing  # noqa: E402
+from fused_attn.layouts import logical_shape  # noqa: E402
+from helpers.fa4_gpu_cases import dense_inputs, rand  # noqa: E402
+from helpers.fa4_gpu_cases import run as _run  # noqa: E402
 
 if not torch.cuda.is_available() or not engines.available("fa4"):
     pytest.skip("needs a CUDA GPU and flash-attn-4", allow_module_level=True)
@@ -25,20 +28,7 @@ DT = torch.bfloat16
 
 
 def _rand(*shape, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(DEV)
-
-
-def _run(backend, dtype, q, k, v, dout, sinks=None, **kw):
-    leaves = [t.to(dtype).detach().requires_grad_(True) for t in (q, k, v)]
-    sink_leaf = None if sinks is None else sinks.detach().float().requires_grad_(True)
-    if sink_leaf is not None:
-        kw["sinks"] = sink_leaf
-    got = fused_attn.dot_product_attention(*leaves, backend=backend, **kw)
-    out, lse = got if kw.get("return_lse") else (got, None)
-    out.backward(dout.to(dtype))
-    grads = [t.grad for t in leaves] + ([sink_leaf.grad] if sink_leaf is not None else [])
-    return out, lse, grads
+    return rand(DEV, *shape, seed=seed)
 
 
 def check(name, q, k, v, dout, sinks=None, **kw):
@@ -85,13 +75,8 @@ NATIVE = {
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("case", list(NATIVE))
 def test_native_feature_matches_reference(case, fmt):
-    kw = dict(NATIVE[case])
-    b, h, skv = 2, 4, 256
-    sq, hkv, d = kw.pop("sq", skv), kw.pop("hkv", h), kw.pop("d", 64)
-    shapes = {"bshd": lambda s, n: (b, s, n, d), "sbhd": lambda s, n: (s, b, n, d), "bhsd": lambda s, n: (b, n, s, d)}
-    q, dout = _rand(*shapes[fmt](sq, h), seed=1), _rand(*shapes[fmt](sq, h), seed=4)
-    k, v = _rand(*shapes[fmt](skv, hkv), seed=2), _rand(*shapes[fmt](skv, hkv), seed=3)
-    sinks = _rand(h, seed=5) if kw.get("softmax_type") == "learnable" else None
+    q, k, v, dout, kw = dense_inputs(DEV, NATIVE[case], fmt)
+    sinks = _rand(logical_shape(q, fmt)[1], seed=5) if kw.get("softmax_type") == "learnable" else None
     check(f"{case} {fmt}", q, k, v, dout, sinks, qkv_format=fmt, **kw)
 
 

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 fused_attn = pytest.importorskip("fused_attn")
 from fused_attn import engine_speed, engines, testing  # noqa: E402
 from fused_attn import plan as P  # noqa: E402
+from helpers.fa4_gpu_cases import dense_inputs, rand, run  # noqa: E402
 
 if not torch.cuda.is_available() or not engines.available("fa4") or not engines.available("cudnn"):
     pytest.skip("needs a CUDA GPU, flash-attn-4 and cuDNN", allow_module_level=True)
@@ -43,15 +44,7 @@ def pair_table(monkeypatch):
 
 
 def _rand(*shape, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(DEV)
-
-
-def _run(backend, dtype, q, k, v, dout, **kw):
-    leaves = [t.to(dtype).detach().requires_grad_(True) for t in (q, k, v)]
-    out = fused_attn.dot_product_attention(*leaves, backend=backend, **kw)
-    out.backward(dout.to(dtype))
-    return out, [t.grad for t in leaves]
+    return rand(DEV, *shape, seed=seed)
 
 
 def check(name, q, k, v, dout, **kw):
@@ -60,13 +53,13 @@ def check(name, q, k, v, dout, **kw):
     leaves = [t.to(DT).requires_grad_(True) for t in (q, k, v)]
     why = fused_attn.explain(*leaves, **kw)
     assert (why.backend, why.backward_backend) == ("fa4", "cudnn"), f"{name}: {why.reason}"
-    exact = _run("reference", torch.float64, q, k, v, dout, **kw)
-    same = _run("reference", DT, q, k, v, dout, **kw)
-    _run("auto", DT, q.flip(-1), k, -v, dout, **kw)
-    _run("auto", DT, -q, v, k, dout, **kw)
-    got = _run("auto", DT, q, k, v, dout, **kw)
+    exact = run("reference", torch.float64, q, k, v, dout, **kw)
+    same = run("reference", DT, q, k, v, dout, **kw)
+    run("auto", DT, q.flip(-1), k, -v, dout, **kw)
+    run("auto", DT, -q, v, k, dout, **kw)
+    got = run("auto", DT, q, k, v, dout, **kw)
     testing.assert_close(got[0].float(), exact[0], testing.bound_from(same[0], exact[0], DT), f"{name} out")
-    for what, g, e, s in zip(("dq", "dk", "dv"), got[1], exact[1], same[1]):
+    for what, g, e, s in zip(("dq", "dk", "dv"), got[2], exact[2], same[2]):
         assert g is not None and torch.isfinite(g).all(), f"{name} {what}: missing or non-finite"
         testing.assert_close(g.double(), e, testing.bound_from(s, e, DT), f"{name} {what}")
 
@@ -83,12 +76,7 @@ DENSE = {
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd", "bhsd"])
 @pytest.mark.parametrize("case", list(DENSE))
 def test_fa4_forward_cudnn_backward_matches_reference(case, fmt):
-    kw = dict(DENSE[case])
-    b, h, skv = 2, 4, 256
-    sq, hkv, d = kw.pop("sq", skv), kw.pop("hkv", h), kw.pop("d", 64)
-    shapes = {"bshd": lambda s, n: (b, s, n, d), "sbhd": lambda s, n: (s, b, n, d), "bhsd": lambda s, n: (b, n, s, d)}
-    q, dout = _rand(*shapes[fmt](sq, h), seed=1), _rand(*shapes[fmt](sq, h), seed=4)
-    k, v = _rand(*shapes[fmt](skv, hkv), seed=2), _rand(*shapes[fmt](skv, hkv), seed=3)
+    q, k, v, dout, kw = dense_inputs(DEV, DENSE[case], fmt)
     check(f"{case} {fmt}", q, k, v, dout, qkv_format=fmt, **kw)
 
 
