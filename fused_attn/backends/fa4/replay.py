@@ -220,40 +220,52 @@ def record(run: Callable[[], Any], own: Sequence[Optional[torch.Tensor]], aux_te
         return returned, Host(str(why))
 
 
-def _template(steps: list, returned: Any, own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
-              aux_scalars: Optional[tuple], aux_kind: type) -> Replay:
-    views = [None if t is None else _view(t) for t in own]
-    buffers: List[torch.Tensor] = []   # FA4's allocations, in order (alive for the recording only)
-    positions: List[int] = []          # where each buffer's allocation is in `out`
-    launched: set = set()              # buffers handed to a kernel so far
-    out: List[Any] = []
+class _Templating:
+    """What templating one recording tracks: the call's own views, FA4's buffers (alive for the
+    recording only) and which of them a kernel has used. A class, not closures: a recursive
+    closure is a reference cycle, and a cycle would keep FA4's buffers (the gradients it returns
+    among them) alive until the next garbage collection."""
 
-    def buffer_of(t: torch.Tensor) -> int:
+    def __init__(self, own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
+                 aux_scalars: Optional[tuple], aux_kind: type) -> None:
+        self.views = [None if t is None else _view(t) for t in own]
+        self.buffers: List[torch.Tensor] = []   # FA4's allocations, in order
+        self.launched: set = set()              # buffers handed to a kernel so far
+        self.aux_tensors, self.aux_scalars, self.aux_kind = aux_tensors, aux_scalars, aux_kind
+
+    def buffer_of(self, t: torch.Tensor) -> int:
         base = t.untyped_storage().data_ptr()
-        for i in range(len(buffers) - 1, -1, -1):
-            if buffers[i].untyped_storage().data_ptr() == base and buffers[i].device == t.device:
+        for i in range(len(self.buffers) - 1, -1, -1):
+            if self.buffers[i].untyped_storage().data_ptr() == base and self.buffers[i].device == t.device:
                 return i
         raise _Refused(f"FA4 passed a tensor {tuple(t.shape)} {t.dtype} that is neither the "
                        "call's own nor allocated in the call")
 
-    def argument(a: Any) -> Any:
+    def argument(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):
             view = _view(a)
-            if view in views:
-                return _Own(views.index(view))
-            i = buffer_of(a)
-            launched.add(i)
-            return _Buffer(i, tuple(a.shape), tuple(a.stride()), a.storage_offset(), view == _view(buffers[i]))
-        if type(a) is aux_kind:
-            if not (_identical(a.tensors, aux_tensors) and _identical(a.scalars, aux_scalars)):
+            if view in self.views:
+                return _Own(self.views.index(view))
+            i = self.buffer_of(a)
+            self.launched.add(i)
+            return _Buffer(i, tuple(a.shape), tuple(a.stride()), a.storage_offset(), view == _view(self.buffers[i]))
+        if type(a) is self.aux_kind:
+            if not (_identical(a.tensors, self.aux_tensors) and _identical(a.scalars, self.aux_scalars)):
                 raise _Refused("FA4 launched with aux data that is not the call's own")
-            return _Aux(aux_kind)
+            return _Aux(self.aux_kind)
         if _constant(a):
             return a
         if isinstance(a, (tuple, list)):  # a tuple subclass is a named tuple: rebuilt from positions
-            return _Container(type(a), tuple(argument(e) for e in a))
+            return _Container(type(a), tuple(self.argument(e) for e in a))
         raise _Refused(f"FA4 launched a kernel with a {type(a).__name__} argument")
 
+
+def _template(steps: list, returned: Any, own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
+              aux_scalars: Optional[tuple], aux_kind: type) -> Replay:
+    state = _Templating(own, aux_tensors, aux_scalars, aux_kind)
+    buffers = state.buffers
+    positions: List[int] = []          # where each buffer's allocation is in `out`
+    out: List[Any] = []
     for step in steps:
         if step[0] == "alloc":
             t, fill = step[1], step[2]
@@ -263,24 +275,42 @@ def _template(steps: list, returned: Any, own: Sequence[Optional[torch.Tensor]],
             positions.append(len(out))
             out.append(_Alloc(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, fill))
         elif step[0] == "fill":
-            i = buffer_of(step[1])
-            if i in launched or _view(step[1]) != _view(buffers[i]):
+            i = state.buffer_of(step[1])
+            if i in state.launched or _view(step[1]) != _view(buffers[i]):
                 raise _Refused("FA4 filled a buffer after a kernel used it, or a part of one")
             out[positions[i]] = out[positions[i]]._replace(fill=step[2])
         else:
             _, kernel, args, kwargs = step
             if kwargs:
                 raise _Refused(f"FA4 launched a kernel with keyword arguments {sorted(kwargs)}")
-            arguments = tuple(argument(a) for a in args)
+            arguments = tuple(state.argument(a) for a in args)
             per_call = tuple(i for i, a in enumerate(arguments) if type(a) in (_Own, _Buffer, _Aux, _Container))
             out.append(_Launch(kernel, arguments, per_call))
     if not any(type(step) is _Launch for step in out):
         raise _Refused("FA4 launched no kernel for this signature (an empty problem)")
-    results = _Container(tuple, tuple(argument(r) for r in (returned if isinstance(returned, tuple) else (returned,))))
+    results = _Container(tuple, tuple(state.argument(r) for r in (returned if isinstance(returned, tuple) else (returned,))))
     for r in results.items:
         if type(r) is _Buffer and not r.whole:
             raise _Refused("FA4 returned a view of one of its buffers")
     return Replay(tuple(out), results)
+
+
+def _rebuilt(a: Any, own: Sequence[Optional[torch.Tensor]], buffers: List[torch.Tensor],
+             aux_tensors: Optional[list], aux_scalars: Optional[tuple]) -> Any:
+    """A templated argument with this call's tensors and aux data (a module function, not a
+    closure: see `_Templating`)."""
+    kind = type(a)
+    if kind is _Own:
+        return own[a.index].detach()
+    if kind is _Buffer:
+        base = buffers[a.index]
+        return base if a.whole else base.as_strided(a.shape, a.stride, a.offset)
+    if kind is _Aux:
+        return a.kind(aux_tensors, aux_scalars)
+    if kind is _Container:
+        items = [_rebuilt(e, own, buffers, aux_tensors, aux_scalars) for e in a.items]
+        return a.kind(items) if a.kind in (tuple, list) else a.kind(*items)
+    return a
 
 
 def replay(entry: Replay, own: Sequence[Optional[torch.Tensor]], aux_tensors: Optional[list],
@@ -289,21 +319,6 @@ def replay(entry: Replay, own: Sequence[Optional[torch.Tensor]], aux_tensors: Op
     and aux data (on the current stream, as FA4's function does); what FA4's function returns."""
     buffers: List[torch.Tensor] = []
     aux_scalars = tuple(aux_scalars) if aux_scalars else None
-
-    def argument(a: Any) -> Any:
-        kind = type(a)
-        if kind is _Own:
-            return own[a.index].detach()
-        if kind is _Buffer:
-            base = buffers[a.index]
-            return base if a.whole else base.as_strided(a.shape, a.stride, a.offset)
-        if kind is _Aux:
-            return a.kind(aux_tensors, aux_scalars)
-        if kind is _Container:
-            items = [argument(e) for e in a.items]
-            return a.kind(items) if a.kind in (tuple, list) else a.kind(*items)
-        return a
-
     for step in entry.steps:
         if type(step) is _Alloc:
             t = torch.empty_strided(step.shape, step.stride, dtype=step.dtype, device=step.device)
@@ -313,6 +328,6 @@ def replay(entry: Replay, own: Sequence[Optional[torch.Tensor]], aux_tensors: Op
         else:
             args = list(step.arguments)
             for i in step.per_call:
-                args[i] = argument(args[i])
+                args[i] = _rebuilt(args[i], own, buffers, aux_tensors, aux_scalars)
             step.kernel(*args)
-    return argument(entry.results)
+    return _rebuilt(entry.results, own, buffers, aux_tensors, aux_scalars)
