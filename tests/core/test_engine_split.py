@@ -18,6 +18,7 @@ from fused_attn import plan as P
 from fused_attn.backends import reference
 from fused_attn.testing import agreement_bound, assert_attention_close, assert_close
 from helpers.attention import band_mask, cu_seqlens
+from helpers.grad_ownership import note_returned_grads
 from helpers.stub_engines import StubEngineBase
 
 
@@ -226,3 +227,14 @@ def test_the_backward_from_a_given_lse_shares_its_two_steps():
     got = into_dest(grads, (None, dk, dv))
     assert got[1] is dk and got[2] is dv and torch.equal(dk, grads[1]) and torch.equal(dv, grads[2])
     assert got[0] is grads[0] and got[3] is grads[3]
+
+
+def test_a_split_calls_gradients_are_the_backward_engines_own_tensors(pair, monkeypatch):
+    """autograd takes them as .grad without a copy (nothing else holds them), step after step."""
+    returned = note_returned_grads(monkeypatch)
+    for step in range(3):
+        q, k, v = _qkv(torch.float32)
+        out = fused_attn.dot_product_attention(q, k, v, attn_mask_type="causal")
+        out.backward(torch.randn_like(out))
+        assert [t.grad.data_ptr() for t in (q, k, v)] == returned[-1], f"step {step}"
+    assert pair[1].ran["backward_with_lse"] == 3

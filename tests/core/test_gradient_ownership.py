@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fused_attn import autograd as fa_autograd
 from fused_attn import dot_product_attention, engines
+from helpers.grad_ownership import note_returned_grads
 
 ENGINES = ["reference", "torch", pytest.param("cudnn", marks=pytest.mark.gpu), pytest.param("fa4", marks=pytest.mark.gpu)]
 
@@ -26,15 +26,7 @@ def test_leaf_gradients_are_the_engines_own_tensors(monkeypatch, backend, fmt):
         pytest.skip(f"the {backend} engine is not available here")
     dev = _device_for(backend)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    returned = []
-    original = fa_autograd.PlanAttention.backward
-
-    def noting(ctx, grad_out, grad_lse):
-        grads = original(ctx, grad_out, grad_lse)
-        returned.append([None if g is None else g.data_ptr() for g in grads[1:4]])
-        return grads
-
-    monkeypatch.setattr(fa_autograd.PlanAttention, "backward", staticmethod(noting))
+    returned = note_returned_grads(monkeypatch)
     g = torch.Generator().manual_seed(3)
     kw = dict(attn_mask_type="causal", backend=backend, qkv_format=fmt)
     shape = (2, 64, 2, 32)
