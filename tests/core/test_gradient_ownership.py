@@ -12,7 +12,8 @@ import torch
 from fused_attn import dot_product_attention, engines
 from helpers.grad_ownership import note_returned_grads
 
-ENGINES = ["reference", "torch", pytest.param("cudnn", marks=pytest.mark.gpu), pytest.param("fa4", marks=pytest.mark.gpu)]
+ENGINES = ["reference", "torch",
+           pytest.param("cudnn", marks=pytest.mark.gpu), pytest.param("fa4", marks=pytest.mark.gpu)]
 
 
 def _device_for(backend: str) -> torch.device:

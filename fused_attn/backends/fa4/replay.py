@@ -288,7 +288,8 @@ def _template(steps: list, returned: Any, own: Sequence[Optional[torch.Tensor]],
             out.append(_Launch(kernel, arguments, per_call))
     if not any(type(step) is _Launch for step in out):
         raise _Refused("FA4 launched no kernel for this signature (an empty problem)")
-    results = _Container(tuple, tuple(state.argument(r) for r in (returned if isinstance(returned, tuple) else (returned,))))
+    returned_items = returned if isinstance(returned, tuple) else (returned,)
+    results = _Container(tuple, tuple(state.argument(r) for r in returned_items))
     for r in results.items:
         if type(r) is _Buffer and not r.whole:
             raise _Refused("FA4 returned a view of one of its buffers")
