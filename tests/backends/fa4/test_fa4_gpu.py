@@ -15,6 +15,7 @@ pytestmark = pytest.mark.gpu
 fused_attn = pytest.importorskip("fused_attn")
 from fused_attn import engines, testing  # noqa: E402
 from fused_attn.layouts import logical_shape  # noqa: E402
+from helpers.attention import cu_seqlens  # noqa: E402
 from helpers.fa4_gpu_cases import dense_inputs, rand  # noqa: E402
 from helpers.fa4_gpu_cases import run as _run  # noqa: E402
 
@@ -153,7 +154,7 @@ def test_scalar_value_change_keeps_the_compiled_kernel():
 
 
 def _cu(lens):
-    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    return cu_seqlens(lens).to(DEV)
 
 
 #: cases of the recorded-call tests: shape of q (and of dout), hkv, then dot_product_attention keywords

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 fused_attn = pytest.importorskip("fused_attn")
 from fused_attn import engine_speed, engines, testing  # noqa: E402
 from fused_attn import plan as P  # noqa: E402
+from helpers.attention import cu_seqlens  # noqa: E402
 from helpers.fa4_gpu_cases import dense_inputs, rand, run  # noqa: E402
 
 if not torch.cuda.is_available() or not engines.available("fa4") or not engines.available("cudnn"):
@@ -81,7 +82,7 @@ def test_fa4_forward_cudnn_backward_matches_reference(case, fmt):
 
 
 def _cu(lens):
-    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=DEV)
+    return cu_seqlens(lens).to(DEV)
 
 
 @pytest.mark.parametrize("kind", ["causal", "window_softcap_gqa"])
